@@ -1,0 +1,9 @@
+"""blendmatch: which cached KV chunks does a token sequence contain, and where?
+
+The distribution installs three rooms as subpackages (see DESIGN.md section 2):
+``blendmatch.index`` (the host truth), ``blendmatch.gpu`` (the probe engines) and
+``blendmatch.service`` (HTTP, batching, CLI, client).
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

@@ -1,0 +1,187 @@
+"""The CPU engine: numba, ``nogil``, parallel across the batch.
+
+Where there is no GPU (CI, laptops) this engine answers, and it takes over when a GPU fails.
+
+How it is fast:
+- The batch's valid windows are cut into *work items* of at most ``ITEM_WINDOWS`` windows,
+  never straddling a query, so one long query still spreads over every core; ``prange``
+  runs the items in parallel with the GIL released.
+- Inside an item the rolling form (``fingerprint.roll_step``) costs O(1) per token; each
+  item starts with one direct chunk fingerprint. For ``stride >= C`` windows do not
+  overlap and are fingerprinted directly.
+- Hashing and probing run in two passes over sub-blocks of ``LANE`` windows: pass one
+  computes slot indices and tags into a small buffer, pass two reads the slot table. The
+  table reads are then independent of the hash chain, so the core keeps many cache misses
+  in flight instead of one.
+- Each item writes its survivors into its own region of the output (region = its first
+  global window index), so there is no synchronisation; one gather compacts them in
+  ascending order.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from blendmatch.index.fingerprint import _U64_B, base_powers, mix64_scalar, roll_step, tag_of_mixed
+
+from .batch import Candidates, QueryBatch
+from .engine import SlotSource
+
+__all__ = ["CpuEngine", "ITEM_WINDOWS", "LANE"]
+
+#: Windows per work item: large enough to amortise the direct start-up hash (C multiplies),
+#: small enough that a 32K-token query splits into several items for the cores.
+ITEM_WINDOWS = 8192
+#: Windows per hash-then-probe sub-block (fits in L1 with room to spare).
+LANE = 64
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):  # pragma: no cover - compiled
+    """``llvm.prefetch`` of ``arr[idx]`` (read, high locality): starts the slot's cache miss
+    while the next windows are still being hashed. A hint only; never faults."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def _plan_items(offsets, c, stride, item_windows):  # pragma: no cover - compiled
+    """Work items ``(query, first window number in query, count, global window base)``."""
+    nq = offsets.shape[0] - 1
+    total_items = 0
+    for q in range(nq):
+        span = offsets[q + 1] - offsets[q] - c + 1
+        if span > 0:
+            nw = (span + stride - 1) // stride
+            total_items += (nw + item_windows - 1) // item_windows
+    items = np.empty((total_items, 4), dtype=np.int64)
+    k = 0
+    base = 0
+    for q in range(nq):
+        span = offsets[q + 1] - offsets[q] - c + 1
+        if span <= 0:
+            continue
+        nw = (span + stride - 1) // stride
+        w0 = 0
+        while w0 < nw:
+            cnt = min(item_windows, nw - w0)
+            items[k, 0] = q
+            items[k, 1] = w0
+            items[k, 2] = cnt
+            items[k, 3] = base
+            base += cnt
+            w0 += cnt
+            k += 1
+    return items, base
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _probe_nb(tokens, offsets, c, stride, table, mask, pows, items, total):  # pragma: no cover
+    n_items = items.shape[0]
+    out_st = np.empty(total, dtype=np.int64)
+    out_fp = np.empty(total, dtype=np.uint64)
+    counts = np.zeros(n_items, dtype=np.int64)
+    top = pows[0]
+    umask = np.uint64(mask)
+    rolling = stride < c
+    for it in numba.prange(n_items):
+        q = items[it, 0]
+        w0 = items[it, 1]
+        cnt = items[it, 2]
+        base = items[it, 3]
+        qstart = offsets[q]
+        lane_slot = np.empty(LANE, dtype=np.int64)
+        lane_tag = np.empty(LANE, dtype=np.uint8)
+        lane_fp = np.empty(LANE, dtype=np.uint64)
+        k = 0
+        h = np.uint64(0)
+        pos = qstart + w0 * stride  # absolute start of the current window
+        if rolling:
+            for i in range(c):
+                h = h * _U64_B + np.uint64(tokens[pos + i])
+        done = 0
+        while done < cnt:
+            m = min(LANE, cnt - done)
+            # pass one: fingerprints, slots and tags of the next m windows
+            for j in range(m):
+                if rolling:
+                    if done + j > 0:
+                        for _ in range(stride):
+                            h = roll_step(h, tokens[pos], tokens[pos + c], top)
+                            pos += 1
+                else:
+                    pos = qstart + (w0 + done + j) * stride
+                    h = np.uint64(0)
+                    for i in range(c):
+                        h += np.uint64(tokens[pos + i]) * pows[i]
+                mixed = mix64_scalar(h)
+                lane_fp[j] = h
+                sl = np.int64(mixed & umask)
+                _prefetch(table, sl)
+                lane_slot[j] = sl
+                lane_tag[j] = tag_of_mixed(mixed)
+            # pass two: probe (independent loads)
+            for j in range(m):
+                v = table[lane_slot[j]]
+                if v == lane_tag[j] or v == 255:
+                    out_st[base + k] = (w0 + done + j) * stride
+                    out_fp[base + k] = lane_fp[j]
+                    k += 1
+            done += m
+        counts[it] = k
+    # compact (ascending: items are ordered by query, then position)
+    n_out = 0
+    for it in range(n_items):
+        n_out += counts[it]
+    qi = np.empty(n_out, dtype=np.int64)
+    st = np.empty(n_out, dtype=np.int64)
+    fp = np.empty(n_out, dtype=np.uint64)
+    o = 0
+    for it in range(n_items):
+        base = items[it, 3]
+        for j in range(counts[it]):
+            qi[o] = items[it, 0]
+            st[o] = out_st[base + j]
+            fp[o] = out_fp[base + j]
+            o += 1
+    return qi, st, fp
+
+
+class CpuEngine:
+    """numba engine; thread-safe (no state besides compiled code)."""
+
+    name = "cpu"
+
+    def __init__(self, reason: str = "", item_windows: int = ITEM_WINDOWS) -> None:
+        if item_windows < 1:
+            raise ValueError(f"item_windows must be >= 1, got {item_windows}")
+        self.reason = reason
+        self.item_windows = item_windows
+
+    def probe(self, batch: QueryBatch, slots: SlotSource) -> Candidates:
+        table = slots.table  # one snapshot for the whole batch (a rebuild swaps the array)
+        items, total = _plan_items(batch.offsets, batch.window, batch.stride, self.item_windows)
+        if total == 0:
+            return Candidates.empty(0)
+        qi, st, fp = _probe_nb(batch.tokens, batch.offsets, batch.window, batch.stride, table,
+                               table.shape[0] - 1, base_powers(batch.window), items, total)
+        return Candidates(qi, st, fp, int(total))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,39 @@
+"""The host truth: fingerprints, the slot array, the blend index, the key directory.
+
+Pure numpy/numba; no HTTP and no CuPy here. ``index`` reaches the engines in ``gpu/`` only
+through the engine protocol (``blendmatch.gpu.engine``).
+"""
+
+from .blend_index import BlendIndex, MatchStats
+from .fingerprint import chunk_fingerprint, chunk_fingerprints, prefix_fingerprints, rolling_fingerprints
+from .slots import SlotArray
+from .types import (
+    DEFAULT_CHUNK_SIZE,
+    UNKNOWN_TOKEN_OFFSET,
+    BlendMatch,
+    BlendNamespace,
+    ObjectKey,
+    pack_kv_rank,
+    unpack_kv_rank,
+    world_size_of_kv_rank,
+)
+
+__all__ = [
+    "BlendIndex",
+    "BlendMatch",
+    "BlendNamespace",
+    "DEFAULT_CHUNK_SIZE",
+    "MatchStats",
+    "ObjectKey",
+    "SlotArray",
+    "UNKNOWN_TOKEN_OFFSET",
+    "chunk_fingerprint",
+    "chunk_fingerprints",
+    "pack_kv_rank",
+    "prefix_fingerprints",
+    "rolling_fingerprints",
+    "unpack_kv_rank",
+    "world_size_of_kv_rank",
+]
+
+# Key directory exports are appended below by the directory module's author.

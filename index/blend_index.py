@@ -1,0 +1,633 @@
+"""BlendIndex: which stored chunks does a token sequence contain, where, for whom?
+
+The content-fingerprint index of DESIGN.md section 5. Contents are keyed by THE fingerprint
+(``fingerprint.py``) of their ``chunk_size`` tokens; each content has *occupants* (the chunk
+hashes stored with exactly those tokens, in first-indexed order), each with its
+``token_offset`` and the set of namespaces that *claim* it. The slot array
+(``slots.py``) sits in front of the exact map so that an engine (``gpu/``) can reject almost
+every query window without touching the host structures.
+
+``match_batch`` pipeline: one engine probe for the whole batch -> candidates
+``(query, cur_st, fingerprint)`` ascending -> under the lock: fingerprint map lookup ->
+namespace filter (occupants the requester does not claim are skipped *before* tokens are
+compared) -> token-exact verification -> at most one match per chunk hash per query,
+ascending ``cur_st`` (occupants of one content in first-indexed order). A chunk is marked
+seen only after it was verified.
+
+Invariants:
+- A chunk whose ``token_offset`` is unknown (-1) is never indexed as a new occupant, and a
+  later -1 never downgrades a known offset.
+- Content of the wrong length is not indexed (logged at debug, not an error).
+- Two fingerprints that collide with different content stay apart: the later content is
+  not indexed (counted as ``collisions``) and never attached to the earlier entry.
+- Every content in the map has at least one occupant; every occupant at least one claim.
+
+Thread safety: one internal lock guards all state; the engine probe runs outside it (the
+slot array tolerates concurrent readers). Lock order: directory -> index; the index never
+calls back into its caller.
+
+Memory: see ``storage.py``; about 100-200 bytes per chunk beyond its 1 KiB of tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numba
+import numpy as np
+
+from blendmatch.gpu.batch import Candidates, QueryBatch
+from blendmatch.gpu.engine import Engine, select_engine
+
+from .fingerprint import as_tokens, chunk_fingerprint, chunk_fingerprints
+from .slots import FilterMode, SlotArray
+from .storage import Columns, FingerprintMap, TokenStore
+from .types import UNKNOWN_TOKEN_OFFSET, BlendMatch, BlendNamespace
+
+__all__ = ["BlendIndex", "MatchStats"]
+
+log = logging.getLogger(__name__)
+
+_NONE = -1  # end of a linked list
+_FREE = -2  # c_occ of a free content row
+
+
+@dataclass
+class MatchStats:
+    """What one ``match_batch`` did (for metrics and the benchmark)."""
+
+    queries: int = 0
+    tokens: int = 0
+    windows: int = 0
+    survivors: int = 0  # candidates the engine returned
+    dict_misses: int = 0  # survivors whose fingerprint is not indexed (filter false positives)
+    ns_filtered: int = 0  # survivors skipped: no occupant claimed by the requester
+    token_rejections: int = 0  # same fingerprint, different tokens
+    matches: int = 0
+    engine_s: float = 0.0
+    verify_s: float = 0.0
+    engine_name: str = ""
+    engine_timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def verify_rejections(self) -> int:
+        """Survivors that produced no match."""
+        return self.dict_misses + self.ns_filtered + self.token_rejections
+
+
+@numba.njit(cache=True, nogil=True)
+def _claimed(occ, ns, o_claim, k_ns, k_next):  # pragma: no cover - compiled
+    k = o_claim[occ]
+    while k >= 0:
+        if k_ns[k] == ns:
+            return True
+        k = k_next[k]
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def _verify_nb(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask,
+               c_occ, o_next, o_claim, k_ns, k_next):  # pragma: no cover - compiled
+    """Emit ``(candidate, occupant)`` pairs that pass the namespace filter and verification."""
+    n = cq.shape[0]
+    cap = 64
+    out_c = np.empty(cap, dtype=np.int64)
+    out_o = np.empty(cap, dtype=np.int64)
+    k = 0
+    misses = 0
+    ns_skip = 0
+    rejects = 0
+    for i in range(n):
+        row = rows[i]
+        if row < 0:
+            misses += 1
+            continue
+        ns = q_ns[cq[i]]
+        any_claim = False
+        if ns >= 0:
+            occ = c_occ[row]
+            while occ >= 0:
+                if _claimed(occ, ns, o_claim, k_ns, k_next):
+                    any_claim = True
+                    break
+                occ = o_next[occ]
+        if not any_claim:
+            ns_skip += 1
+            continue
+        blk = blocks[row >> shift]
+        r = row & bmask
+        base = offsets[cq[i]] + cst[i]
+        same = True
+        for t in range(width):
+            if tokens[base + t] != blk[r, t]:
+                same = False
+                break
+        if not same:
+            rejects += 1
+            continue
+        occ = c_occ[row]
+        while occ >= 0:
+            if _claimed(occ, ns, o_claim, k_ns, k_next):
+                if k == cap:
+                    cap *= 2
+                    nc = np.empty(cap, dtype=np.int64)
+                    no = np.empty(cap, dtype=np.int64)
+                    nc[:k] = out_c[:k]
+                    no[:k] = out_o[:k]
+                    out_c, out_o = nc, no
+                out_c[k] = i
+                out_o[k] = occ
+                k += 1
+            occ = o_next[occ]
+    return out_c[:k], out_o[:k], misses, ns_skip, rejects
+
+
+class BlendIndex:
+    """The host truth of blend lookups. See the module docstring for semantics."""
+
+    def __init__(self, chunk_size: int = 256, probe_stride: int = 1, engine: str | Engine = "auto",
+                 filter: FilterMode = "tagged") -> None:
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+        if not isinstance(probe_stride, int) or probe_stride < 1:
+            raise ValueError(f"probe_stride must be an integer >= 1, got {probe_stride!r}")
+        self.chunk_size = chunk_size
+        self.probe_stride = probe_stride
+        self._slots = SlotArray(filter)
+        self.filter = filter
+        self.engine: Engine = select_engine(engine) if isinstance(engine, str) else engine
+        self._lock = threading.RLock()
+        self._fpmap = FingerprintMap()
+        self._tokens = TokenStore(chunk_size)
+        # contents: fingerprint and first occupant
+        self._c = Columns({"fp": np.uint64, "occ": np.int32})
+        # occupants: content row, next occupant, token offset, first claim
+        self._o = Columns({"content": np.int32, "next": np.int32, "offset": np.int64, "claim": np.int32})
+        self._o_hash: list[bytes | None] = []
+        # claims: namespace id, next claim
+        self._k = Columns({"ns": np.int32, "next": np.int32})
+        self._ns_ids: dict[BlendNamespace, int] = {}
+        self._ns_claims: list[int] = []
+        self._collisions = 0
+        self._failovers = 0
+        self._rebuilds = 0
+
+    # ------------------------------------------------------------------ public: writes
+    def add(self, tokens: Any, chunk_hash: bytes, token_offset: int, ns: BlendNamespace) -> np.ndarray | None:
+        """Index ``chunk_hash`` with content ``tokens`` at ``token_offset`` for namespace ``ns``.
+
+        Idempotent; a second namespace joins the claim set; a known offset updates the
+        occupant's offset (-1 never downgrades). Returns the index's stored read-only token
+        row (callers may keep it instead of a copy; it stays valid while the content is
+        indexed) or ``None`` when the chunk is not indexed: wrong length, unknown offset for
+        a new occupant, or a fingerprint collision with different content. Raises
+        ``ValueError`` for tokens that are not uint32 ids (nothing applied).
+        """
+        arr = as_tokens(tokens)
+        _check_hash(chunk_hash)
+        offset = _check_offset(token_offset)
+        _check_ns(ns)
+        if arr.size != self.chunk_size:
+            log.debug("not indexed: content of %d tokens, chunk size %d", arr.size, self.chunk_size)
+            return None
+        fp = chunk_fingerprint(arr)
+        with self._lock:
+            view = self._add_locked(arr, fp, chunk_hash, offset, ns)
+            self._maybe_rebuild()
+            return view
+
+    def add_many(self, tokens2d: Any, chunk_hashes: Sequence[bytes], token_offsets: Any,
+                 namespaces: BlendNamespace | Sequence[BlendNamespace]) -> list[np.ndarray | None]:
+        """``add`` for many chunks at once: the same results as calling ``add`` for each row in
+        order, with the per-chunk Python overhead batched away (new contents are inserted with
+        a handful of array operations). All input is validated before anything is applied.
+        """
+        arr = _as_tokens2d(tokens2d)
+        n = arr.shape[0]
+        if len(chunk_hashes) != n:
+            raise ValueError(f"chunk_hashes has {len(chunk_hashes)} entries for {n} token rows")
+        if not all(type(h) is bytes for h in chunk_hashes):
+            for h in chunk_hashes:
+                _check_hash(h)
+        offsets = np.asarray(token_offsets, dtype=np.int64).reshape(-1)
+        if offsets.size == 1 and n != 1:
+            offsets = np.full(n, offsets[0], dtype=np.int64)
+        if offsets.size != n:
+            raise ValueError(f"token_offsets has {offsets.size} entries for {n} token rows")
+        if n and offsets.min() < UNKNOWN_TOKEN_OFFSET:
+            raise ValueError(f"token_offset must be >= -1, got {int(offsets.min())}")
+        if isinstance(namespaces, BlendNamespace):
+            ns_list: Sequence[BlendNamespace] = _Repeat(namespaces, n)
+        else:
+            ns_list = namespaces
+            if len(ns_list) != n:
+                raise ValueError(f"namespaces has {len(ns_list)} entries for {n} token rows")
+            for ns in ns_list:
+                _check_ns(ns)
+        results: list[np.ndarray | None] = [None] * n
+        if n == 0 or arr.shape[1] != self.chunk_size:
+            return results
+        fps = chunk_fingerprints(arr)
+        with self._lock:
+            rows = self._fpmap.lookup(fps)
+            candidates = np.flatnonzero((rows < 0) & (offsets >= 0))
+            _, first = np.unique(fps[candidates], return_index=True)
+            fast = np.sort(candidates[first])
+            if fast.size == n:  # the common bulk case: every row is new content
+                self._insert_new(arr, fps, list(chunk_hashes), offsets, ns_list, results, fast)
+            elif fast.size:
+                fl = fast.tolist()
+                self._insert_new(arr[fast], fps[fast], [chunk_hashes[i] for i in fl], offsets[fast],
+                                 [ns_list[i] for i in fl], results, fast)
+            is_fast = np.zeros(n, dtype=bool)
+            is_fast[fast] = True
+            for i in np.flatnonzero(~is_fast).tolist():
+                results[i] = self._add_locked(arr[i], int(fps[i]), chunk_hashes[i], int(offsets[i]), ns_list[i])
+            self._maybe_rebuild()
+        return results
+
+    def remove_claim(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace) -> bool:
+        """Drop ``ns``'s claim on ``chunk_hash`` (with content ``tokens``). The occupant goes
+        with its last claim, the content with its last occupant. Returns whether a claim was
+        dropped (no-op otherwise)."""
+        return self._remove(tokens, chunk_hash, ns)
+
+    def remove_chunk(self, tokens: Any, chunk_hash: bytes) -> bool:
+        """Drop the occupant ``chunk_hash`` of content ``tokens`` and all its claims at once
+        (used when a chunk hash is re-stored with different tokens). Returns whether it was
+        indexed."""
+        return self._remove(tokens, chunk_hash, None)
+
+    # ------------------------------------------------------------------ public: reads
+    def match(self, tokens: Any, ns: BlendNamespace) -> list[BlendMatch]:
+        """``match_batch([(tokens, ns)])[0]``."""
+        return self.match_batch([(tokens, ns)])[0]
+
+    def match_batch(self, queries: Sequence[tuple[Any, BlendNamespace]]) -> list[list[BlendMatch]]:
+        """Matches for each query, in order: ascending ``cur_st``, at most one per chunk hash."""
+        return self.match_batch_detailed(queries)[0]
+
+    def match_batch_detailed(self, queries: Sequence[tuple[Any, BlendNamespace]]
+                             ) -> tuple[list[list[BlendMatch]], MatchStats]:
+        """``match_batch`` plus what it cost (windows, survivors, rejections, timings)."""
+        arrays = []
+        namespaces = []
+        for i, item in enumerate(queries):
+            try:
+                tokens, ns = item
+            except (TypeError, ValueError):
+                raise ValueError(f"query {i}: expected a (tokens, BlendNamespace) pair") from None
+            arrays.append(as_tokens(tokens, name=f"query {i} tokens"))
+            _check_ns(ns)
+            namespaces.append(ns)
+        stats = MatchStats(queries=len(arrays), tokens=sum(a.size for a in arrays))
+        results: list[list[BlendMatch]] = [[] for _ in arrays]
+        if not arrays:
+            return results, stats
+        batch = QueryBatch.from_queries(arrays, self.chunk_size, self.probe_stride)
+        t0 = time.perf_counter()
+        cands = self._probe(batch)
+        t1 = time.perf_counter()
+        stats.engine_s = t1 - t0
+        stats.engine_name = self.engine.name
+        stats.engine_timings = dict(cands.timings)
+        stats.windows = cands.windows
+        stats.survivors = len(cands)
+        if len(cands):
+            self._verify(batch, cands, namespaces, results, stats)
+        stats.verify_s = time.perf_counter() - t1
+        return results, stats
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and sizes (cheap; safe to call from a metrics scrape)."""
+        with self._lock:
+            out: dict[str, Any] = {
+                "chunk_size": self.chunk_size,
+                "probe_stride": self.probe_stride,
+                "num_contents": self._c.live,
+                "num_chunks": self._o.live,
+                "num_claims": self._k.live,
+                "num_namespaces": sum(1 for c in self._ns_claims if c > 0),
+                "collisions": self._collisions,
+                "rebuilds": self._rebuilds,
+                "engine": self.engine.name,
+                "engine_reason": self.engine.reason,
+                "engine_failovers": self._failovers,
+                "memory_bytes": self._memory_bytes_locked(),
+            }
+            out.update(self._slots.stats())
+            return out
+
+    def memory_bytes(self) -> int:
+        """Resident bytes of the index's structures, tokens included (capacity, not just use)."""
+        with self._lock:
+            return self._memory_bytes_locked()
+
+    @property
+    def slots(self) -> SlotArray:
+        """The slot array (engines read it; do not mutate)."""
+        return self._slots
+
+    # ------------------------------------------------------------------ internals: writes
+    def _ns_id(self, ns: BlendNamespace) -> int:
+        nid = self._ns_ids.get(ns)
+        if nid is None:
+            nid = len(self._ns_claims)
+            self._ns_ids[BlendNamespace(sys.intern(ns.model_name), sys.intern(ns.cache_salt), int(ns.world_size))] = nid
+            self._ns_claims.append(0)
+        return nid
+
+    def _add_locked(self, arr: np.ndarray, fp: int, chunk_hash: bytes, offset: int,
+                    ns: BlendNamespace) -> np.ndarray | None:
+        row = self._fpmap.get(fp)
+        if row < 0:
+            if offset == UNKNOWN_TOKEN_OFFSET:
+                return None
+            out: list[np.ndarray | None] = [None]
+            self._insert_new(arr[None, :], np.array([fp], dtype=np.uint64), [chunk_hash],
+                             np.array([offset], dtype=np.int64), [ns], out, np.zeros(1, dtype=np.int64))
+            return out[0]
+        stored = self._tokens.row(row)
+        if not np.array_equal(stored, arr):
+            self._collisions += 1
+            log.warning("fingerprint collision %#018x: chunk %s has different content than the "
+                        "indexed entry; not indexed", fp, chunk_hash.hex())
+            return None
+        occ = self._find_occupant(row, chunk_hash)
+        if occ < 0:
+            if offset == UNKNOWN_TOKEN_OFFSET:
+                return None
+            occ = self._o.alloc_one()
+            self._o["content"][occ] = row
+            self._o["next"][occ] = _NONE
+            self._o["offset"][occ] = offset
+            self._o["claim"][occ] = _NONE
+            self._set_hash(occ, chunk_hash)
+            self._append_occupant(row, occ)
+        elif offset != UNKNOWN_TOKEN_OFFSET:
+            self._o["offset"][occ] = offset
+        self._add_claim(occ, self._ns_id(ns))
+        return stored
+
+    def _insert_new(self, arr: np.ndarray, fps: np.ndarray, hashes: list[bytes], offsets: np.ndarray,
+                    nss: Sequence[BlendNamespace], results: list, positions: np.ndarray) -> None:
+        """Insert new contents (distinct fingerprints, absent from the map, known offsets), each
+        with one occupant and one claim, in a handful of array operations."""
+        n = fps.shape[0]
+        rows = self._c.alloc(n)
+        occs = self._o.alloc(n)
+        claims = self._k.alloc(n)
+        self._tokens.write(rows, arr)
+        c, o, k = self._c, self._o, self._k
+        c["fp"][rows] = fps
+        c["occ"][rows] = occs
+        o["content"][occs] = rows
+        o["next"][occs] = _NONE
+        o["offset"][occs] = offsets
+        o["claim"][occs] = claims
+        if isinstance(nss, _Repeat):
+            nids = np.full(n, self._ns_id(nss.value), dtype=np.int64)
+        else:
+            nids = np.fromiter((self._ns_id(ns) for ns in nss), dtype=np.int64, count=n)
+        k["ns"][claims] = nids
+        k["next"][claims] = _NONE
+        for nid, cnt in zip(*np.unique(nids, return_counts=True)):
+            self._ns_claims[int(nid)] += int(cnt)
+        occ_list = occs.tolist()
+        if occ_list and occ_list[0] == len(self._o_hash) and occ_list[-1] == occ_list[0] + n - 1:
+            self._o_hash.extend(hashes)  # all fresh ids: the common bulk case
+        else:
+            for occ, h in zip(occ_list, hashes):
+                self._set_hash(occ, h)
+        self._fpmap.insert(fps, rows)
+        self._slots.insert(fps)
+        for pos, view in zip(positions.tolist(), self._tokens.rows(rows.tolist())):
+            results[pos] = view
+
+    def _set_hash(self, occ: int, chunk_hash: bytes) -> None:
+        if occ == len(self._o_hash):
+            self._o_hash.append(chunk_hash)
+        else:
+            if occ > len(self._o_hash):
+                self._o_hash.extend([None] * (occ - len(self._o_hash)))
+                self._o_hash.append(chunk_hash)
+            else:
+                self._o_hash[occ] = chunk_hash
+
+    def _find_occupant(self, row: int, chunk_hash: bytes) -> int:
+        occ = int(self._c["occ"][row])
+        nxt = self._o["next"]
+        while occ >= 0:
+            if self._o_hash[occ] == chunk_hash:
+                return occ
+            occ = int(nxt[occ])
+        return -1
+
+    def _append_occupant(self, row: int, occ: int) -> None:
+        head = int(self._c["occ"][row])
+        if head < 0:
+            self._c["occ"][row] = occ
+            return
+        nxt = self._o["next"]
+        while nxt[head] >= 0:
+            head = int(nxt[head])
+        nxt[head] = occ
+
+    def _add_claim(self, occ: int, nid: int) -> None:
+        k = int(self._o["claim"][occ])
+        last = -1
+        while k >= 0:
+            if self._k["ns"][k] == nid:
+                return
+            last = k
+            k = int(self._k["next"][k])
+        new = self._k.alloc_one()
+        self._k["ns"][new] = nid
+        self._k["next"][new] = _NONE
+        if last < 0:
+            self._o["claim"][occ] = new
+        else:
+            self._k["next"][last] = new
+        self._ns_claims[nid] += 1
+
+    def _remove(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace | None) -> bool:
+        arr = as_tokens(tokens)
+        _check_hash(chunk_hash)
+        if ns is not None:
+            _check_ns(ns)
+        if arr.size != self.chunk_size:
+            return False
+        fp = chunk_fingerprint(arr)
+        with self._lock:
+            row = self._fpmap.get(fp)
+            if row < 0 or not np.array_equal(self._tokens.row(row), arr):
+                return False
+            occ = self._find_occupant(row, chunk_hash)
+            if occ < 0:
+                return False
+            if ns is None:
+                self._drop_all_claims(occ)
+            else:
+                nid = self._ns_ids.get(ns)
+                if nid is None or not self._drop_claim(occ, nid):
+                    return False
+            if self._o["claim"][occ] < 0:
+                self._drop_occupant(row, occ)
+            self._maybe_rebuild()
+            return True
+
+    def _drop_claim(self, occ: int, nid: int) -> bool:
+        k = int(self._o["claim"][occ])
+        prev = -1
+        while k >= 0:
+            nxt = int(self._k["next"][k])
+            if self._k["ns"][k] == nid:
+                if prev < 0:
+                    self._o["claim"][occ] = nxt
+                else:
+                    self._k["next"][prev] = nxt
+                self._k.free(k)
+                self._ns_claims[nid] -= 1
+                return True
+            prev, k = k, nxt
+        return False
+
+    def _drop_all_claims(self, occ: int) -> None:
+        k = int(self._o["claim"][occ])
+        while k >= 0:
+            nxt = int(self._k["next"][k])
+            self._ns_claims[int(self._k["ns"][k])] -= 1
+            self._k.free(k)
+            k = nxt
+        self._o["claim"][occ] = _NONE
+
+    def _drop_occupant(self, row: int, occ: int) -> None:
+        nxt = self._o["next"]
+        head = int(self._c["occ"][row])
+        if head == occ:
+            self._c["occ"][row] = nxt[occ]
+        else:
+            while nxt[head] != occ:
+                head = int(nxt[head])
+            nxt[head] = nxt[occ]
+        self._o_hash[occ] = None
+        self._o.free(occ)
+        if self._c["occ"][row] < 0:
+            fp = int(self._c["fp"][row])
+            self._fpmap.delete(fp)
+            self._slots.remove(np.array([fp], dtype=np.uint64))
+            self._c["occ"][row] = _FREE
+            self._c.free(row)
+
+    def _maybe_rebuild(self) -> None:
+        if self._slots.needs_rebuild():
+            live = self._c["occ"][: self._c.size] != _FREE
+            self._slots.rebuild(self._c["fp"][: self._c.size][live])
+            self._rebuilds += 1
+
+    def _memory_bytes_locked(self) -> int:
+        hashes = sys.getsizeof(self._o_hash) + sum(sys.getsizeof(h) for h in self._o_hash if h is not None)
+        return (self._tokens.nbytes() + self._fpmap.nbytes() + self._c.nbytes() + self._o.nbytes()
+                + self._k.nbytes() + int(self._slots.table.nbytes) + hashes)
+
+    # ------------------------------------------------------------------ internals: reads
+    def _probe(self, batch: QueryBatch) -> Candidates:
+        engine = self.engine
+        try:
+            return engine.probe(batch, self._slots)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any device failure fails over, logged and counted
+            if engine.name in ("cpu", "reference"):
+                raise
+            from blendmatch.gpu.cpu import CpuEngine
+
+            with self._lock:
+                if self.engine is engine:
+                    self._failovers += 1
+                    log.error("engine %s failed (%s: %s); continuing on the CPU engine",
+                              engine.name, type(exc).__name__, exc)
+                    self.engine = CpuEngine(reason=f"failover from {engine.name}: {type(exc).__name__}: {exc}")
+                    try:
+                        engine.close()
+                    except Exception:  # noqa: BLE001 - the device is already broken
+                        log.debug("closing the failed engine raised", exc_info=True)
+            return self.engine.probe(batch, self._slots)
+
+    def _verify(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
+                results: list[list[BlendMatch]], stats: MatchStats) -> None:
+        with self._lock:
+            q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64,
+                               count=len(namespaces))
+            rows = self._fpmap.lookup(cands.fingerprint)
+            ci, oi, misses, ns_skip, rejects = _verify_nb(
+                cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
+                self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
+                self._o["claim"], self._k["ns"], self._k["next"])
+            stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
+            offsets = self._o["offset"]
+            hashes = self._o_hash
+            qidx = cands.query_index[ci].tolist()
+            cur = cands.cur_st[ci].tolist()
+            seen: set[tuple[int, bytes]] = set()
+            for q, st, occ in zip(qidx, cur, oi.tolist()):
+                h = hashes[occ]
+                key = (q, h)
+                if key in seen:
+                    continue
+                seen.add(key)
+                results[q].append(BlendMatch(h, int(offsets[occ]), st))
+            stats.matches = len(seen)
+
+
+class _Repeat(Sequence):
+    """``[value] * n`` without building the list (one namespace for a whole bulk add)."""
+
+    def __init__(self, value: Any, n: int) -> None:
+        self.value, self.n = value, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self.value] * len(range(*i.indices(self.n)))
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.value
+
+
+def _check_hash(chunk_hash: Any) -> None:
+    if not isinstance(chunk_hash, bytes):
+        raise ValueError(f"chunk_hash must be bytes, got {type(chunk_hash).__name__}")
+
+
+def _check_offset(token_offset: Any) -> int:
+    if isinstance(token_offset, bool) or not isinstance(token_offset, (int, np.integer)):
+        raise ValueError(f"token_offset must be an integer, got {token_offset!r}")
+    if token_offset < UNKNOWN_TOKEN_OFFSET:
+        raise ValueError(f"token_offset must be >= -1, got {token_offset}")
+    return int(token_offset)
+
+
+def _check_ns(ns: Any) -> None:
+    if not isinstance(ns, BlendNamespace):
+        raise ValueError(f"namespace must be a BlendNamespace, got {type(ns).__name__}")
+
+
+def _as_tokens2d(tokens2d: Any) -> np.ndarray:
+    arr = np.asarray(tokens2d)
+    if arr.ndim != 2:
+        raise ValueError(f"tokens must be a 2-D (n, chunk_size) array, got shape {arr.shape}")
+    if arr.dtype == np.uint32:
+        return np.ascontiguousarray(arr)
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise ValueError(f"tokens must be integer token ids, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
+        raise ValueError(f"token ids must lie in 0..2^32-1, got range {int(arr.min())}..{int(arr.max())}")
+    return np.ascontiguousarray(arr, dtype=np.uint32)

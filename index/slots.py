@@ -1,0 +1,244 @@
+"""The slot array: a one-byte-per-slot occupancy filter in front of the exact index.
+
+Question answered: "could this window's fingerprint be in the index?" cheaply enough to
+ask for every window of every query, on a CPU or mirrored on a GPU.
+
+Layout (DESIGN.md section 4): ``2^k`` slots of one byte, ``2^k >= 16 x live fingerprints``
+(min 1024). A slot is ``0`` empty, ``1..254`` the tag of the single fingerprint that lives
+there, or ``255`` shared (two or more fingerprints, or stale after a removal from a shared
+slot). A window survives iff ``slot == tag(F)`` or ``slot == 255`` (``fingerprint.py``
+derives slot and tag).
+
+Invariants:
+- Recall is complete: a slot never hides a live fingerprint; a second arrival makes it 255.
+- A tagged slot holds exactly one live fingerprint, so removing that fingerprint may clear
+  it. A shared slot stays 255 until a rebuild (it is counted as possibly stale).
+- ``filter="occupancy"`` writes 255 for every occupied slot: LMCache's identity-free 0/1
+  filter, same probe rule; removals never clear (they cannot know the slot is free).
+- Callers remove only fingerprints they inserted and have not removed since.
+
+Engines mirror this host copy (the truth). Every slot write bumps ``version`` and appends
+``(slot, value)`` to the change log; a rebuild bumps ``generation``. An engine syncs with
+:meth:`SlotArray.changes_since` (a small scatter) or, on a new generation or when the log
+was trimmed past its version, with a full upload of :attr:`SlotArray.table`.
+
+Thread safety: mutations and :meth:`changes_since` take an internal lock, so an engine may
+sync while writers run. Readers (probes) read :attr:`table` without the lock; byte writes
+are atomic and a rebuild swaps in a new array, so a probe sees either state of each slot.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import numba
+import numpy as np
+
+from .fingerprint import TAG_EMPTY, TAG_SHARED, mix64_scalar, tag_of_mixed
+
+__all__ = ["FilterMode", "SlotArray", "SlotChanges", "MIN_TABLE_SIZE", "LOAD_RATIO"]
+
+FilterMode = Literal["tagged", "occupancy"]
+
+#: Smallest table. 1 KiB: small enough to be free, large enough that tiny indexes never resize.
+MIN_TABLE_SIZE = 1024
+#: Slots per live fingerprint, at least. At 1/16 load the tagged filter passes about
+#: load/254 + load^2/2 ~ 0.2% of no-hit windows; each doubling of this halves that and
+#: costs one more byte per 16 chunks... per chunk: ``LOAD_RATIO`` bytes (16-32 B/chunk).
+LOAD_RATIO = 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class SlotChanges:
+    """What an engine needs to bring its mirror to ``(generation, version)``.
+
+    ``full`` -> upload ``table`` whole; otherwise apply ``slots``/``values`` in order (later
+    writes to the same slot win). ``table`` is the live host array: read, never write.
+    """
+
+    generation: int
+    version: int
+    full: bool
+    table: np.ndarray
+    slots: np.ndarray
+    values: np.ndarray
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert_nb(table, mask, fps, occupancy):  # pragma: no cover - compiled
+    n = fps.shape[0]
+    out_s = np.empty(n, dtype=np.int64)
+    out_v = np.empty(n, dtype=np.uint8)
+    k = 0
+    new_shared = 0
+    for i in range(n):
+        m = mix64_scalar(fps[i])
+        s = np.int64(m & np.uint64(mask))
+        cur = table[s]
+        if occupancy or cur != 0:
+            new = np.uint8(255)
+        else:
+            new = tag_of_mixed(m)
+        if new != cur:
+            table[s] = new
+            out_s[k] = s
+            out_v[k] = new
+            k += 1
+            if new == 255:
+                new_shared += 1
+    return out_s[:k], out_v[:k], new_shared
+
+
+@numba.njit(cache=True, nogil=True)
+def _remove_nb(table, mask, fps, occupancy):  # pragma: no cover - compiled
+    n = fps.shape[0]
+    out_s = np.empty(n, dtype=np.int64)
+    out_v = np.empty(n, dtype=np.uint8)
+    k = 0
+    stale = 0
+    for i in range(n):
+        m = mix64_scalar(fps[i])
+        s = np.int64(m & np.uint64(mask))
+        cur = table[s]
+        if not occupancy and cur == tag_of_mixed(m):
+            table[s] = 0
+            out_s[k] = s
+            out_v[k] = 0
+            k += 1
+        else:
+            stale += 1
+    return out_s[:k], out_v[:k], stale
+
+
+class SlotArray:
+    """The host copy of the slot array plus its change log (see the module docstring)."""
+
+    def __init__(self, filter: FilterMode = "tagged", min_size: int = MIN_TABLE_SIZE) -> None:
+        if filter not in ("tagged", "occupancy"):
+            raise ValueError(f"filter must be 'tagged' or 'occupancy', got {filter!r}")
+        if min_size < 1 or min_size & (min_size - 1):
+            raise ValueError(f"min_size must be a power of two >= 1, got {min_size}")
+        self.filter: FilterMode = filter
+        self.min_size = min_size
+        self._occupancy = filter == "occupancy"
+        self._lock = threading.Lock()
+        self.table = np.zeros(min_size, dtype=np.uint8)
+        self.generation = 0
+        self.version = 0
+        self.live = 0  # fingerprints currently inserted
+        self.shared = 0  # slots that became 255 since the last rebuild
+        self.stale = 0  # removals that could not clear their slot since the last rebuild
+        self._log_base = 0  # version before the first logged change
+        self._log_s: list[np.ndarray] = []
+        self._log_v: list[np.ndarray] = []
+        self._log_len = 0
+
+    # -- reading -------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return int(self.table.shape[0])
+
+    @property
+    def mask(self) -> int:
+        return self.size - 1
+
+    def changes_since(self, generation: int, version: int) -> SlotChanges:
+        """Changes that bring a mirror at ``(generation, version)`` up to date."""
+        with self._lock:
+            full = generation != self.generation or version < self._log_base or version > self.version
+            if full or version == self.version:
+                empty = np.zeros(0, dtype=np.int64)
+                return SlotChanges(self.generation, self.version, full, self.table, empty, empty.astype(np.uint8))
+            if len(self._log_s) > 1:  # consolidate once so later readers pay nothing
+                self._log_s = [np.concatenate(self._log_s)]
+                self._log_v = [np.concatenate(self._log_v)]
+            start = version - self._log_base
+            return SlotChanges(self.generation, self.version, False, self.table,
+                               self._log_s[0][start:].copy(), self._log_v[0][start:].copy())
+
+    def stats(self) -> dict[str, float | int | str]:
+        return {
+            "filter": self.filter,
+            "table_size": self.size,
+            "table_load": self.live / self.size,
+            "table_shared_slots": self.shared,
+            "table_stale_removals": self.stale,
+            "table_generation": self.generation,
+            "table_version": self.version,
+        }
+
+    # -- writing (callers hold the index lock; the slot lock guards the log) ---------------
+    def insert(self, fps: np.ndarray) -> None:
+        """Insert fingerprints (uint64) that are not in the table yet."""
+        fps = np.ascontiguousarray(fps, dtype=np.uint64)
+        if fps.size == 0:
+            return
+        with self._lock:
+            s, v, new_shared = _insert_nb(self.table, self.mask, fps, self._occupancy)
+            self.live += int(fps.size)
+            self.shared += int(new_shared)
+            self._append_log(s, v)
+
+    def remove(self, fps: np.ndarray) -> None:
+        """Remove fingerprints (uint64) previously inserted and still live."""
+        fps = np.ascontiguousarray(fps, dtype=np.uint64)
+        if fps.size == 0:
+            return
+        with self._lock:
+            s, v, stale = _remove_nb(self.table, self.mask, fps, self._occupancy)
+            self.live -= int(fps.size)
+            self.stale += int(stale)
+            self._append_log(s, v)
+
+    def wanted_size(self, live: int) -> int:
+        """The table size a rebuild for ``live`` fingerprints gets: the power of two ``>= 16*live``
+        next growth is a doubling away."""
+        return max(self.min_size, _next_pow2(LOAD_RATIO * max(live, 1)))
+
+    def needs_rebuild(self) -> bool:
+        """Too full, far too empty, or too many stale/shared slots to keep the filter sharp."""
+        size = self.size
+        if self.live * LOAD_RATIO > size:
+            return True
+        if size > self.min_size and self.live * LOAD_RATIO * 8 < size:
+            return True
+        return self.stale > max(1024, self.live // 4)
+
+    def rebuild(self, live_fps: np.ndarray, size: int | None = None) -> None:
+        """Re-size and re-fill from the complete set of live fingerprints (new generation)."""
+        live_fps = np.ascontiguousarray(live_fps, dtype=np.uint64)
+        new_size = self.wanted_size(int(live_fps.size)) if size is None else size
+        if new_size < 1 or new_size & (new_size - 1):
+            raise ValueError(f"table size must be a power of two, got {new_size}")
+        table = np.zeros(new_size, dtype=np.uint8)
+        _s, _v, new_shared = _insert_nb(table, new_size - 1, live_fps, self._occupancy)
+        with self._lock:
+            self.table = table
+            self.generation += 1
+            self.version += 1
+            self.live = int(live_fps.size)
+            self.shared = int(new_shared)
+            self.stale = 0
+            self._log_base = self.version
+            self._log_s, self._log_v, self._log_len = [], [], 0
+
+    # -- internals ------------------------------------------------------------------------
+    def _append_log(self, s: np.ndarray, v: np.ndarray) -> None:
+        """Call with ``self._lock`` held."""
+        if s.size == 0:
+            return
+        self._log_s.append(s)
+        self._log_v.append(v)
+        self._log_len += int(s.size)
+        self.version += int(s.size)
+        # A log longer than a quarter of the table costs more to replay than an upload:
+        # drop it; mirrors behind ``_log_base`` then get a full upload.
+        if self._log_len > max(4096, self.size // 4):
+            self._log_base = self.version
+            self._log_s, self._log_v, self._log_len = [], [], 0

@@ -1,0 +1,281 @@
+"""Compact host storage for the blend index: columns with free lists, a fingerprint map, and
+block-allocated token rows.
+
+Why not Python dicts and objects: a fleet index holds millions of chunks and keeps every
+chunk's 256 tokens resident for verification (1 KiB each as uint32). A dict entry plus a
+boxed 64-bit key plus a per-chunk object costs 200-400 bytes; these numpy structures cost
+about 100 bytes per chunk on top of the tokens, and numba reads them directly, so the
+verification loop never touches a Python object.
+
+Nothing here locks: the owner (``BlendIndex``) calls every method with its lock held.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numba
+import numpy as np
+from numba.typed import List as NumbaList
+
+from .fingerprint import mix64_scalar
+
+__all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE"]
+
+#: FingerprintMap value of a never-used slot / of a deleted one (keeps probe chains intact).
+EMPTY = -1
+TOMBSTONE = -2
+
+
+class Columns:
+    """Parallel numpy columns indexed by a row id, with a free list for reuse.
+
+    Rows are handed out from the free list first, so ids stay dense and the columns stop
+    growing once the live set stops growing. Growth is by 1.5x (memory slack <= 50% of
+    these small per-row columns, never of the token rows).
+    """
+
+    def __init__(self, dtypes: dict[str, np.dtype | type], capacity: int = 1024) -> None:
+        self._dtypes = {k: np.dtype(v) for k, v in dtypes.items()}
+        self.cols: dict[str, np.ndarray] = {k: np.zeros(capacity, dtype=d) for k, d in self._dtypes.items()}
+        self.size = 0  # rows ever handed out (high-water mark)
+        self._free: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return int(next(iter(self.cols.values())).shape[0])
+
+    @property
+    def live(self) -> int:
+        return self.size - len(self._free)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.cols[name]
+
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` row ids (int64), reusing freed rows first."""
+        take = min(n, len(self._free))
+        reused = [self._free.pop() for _ in range(take)]
+        fresh = n - take
+        if self.size + fresh > self.capacity:
+            self._grow(self.size + fresh)
+        ids = np.empty(n, dtype=np.int64)
+        ids[:take] = reused
+        ids[take:] = np.arange(self.size, self.size + fresh, dtype=np.int64)
+        self.size += fresh
+        return ids
+
+    def alloc_one(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self.size + 1 > self.capacity:
+            self._grow(self.size + 1)
+        self.size += 1
+        return self.size - 1
+
+    def free(self, row: int) -> None:
+        self._free.append(int(row))
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.cols.values()) + 8 * len(self._free)
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, self.capacity + self.capacity // 2, 1024)
+        for k, a in self.cols.items():
+            b = np.zeros(cap, dtype=a.dtype)
+            b[: a.shape[0]] = a
+            self.cols[k] = b
+
+
+@numba.njit(cache=True, nogil=True)
+def _fm_lookup(keys, vals, mask, fps):  # pragma: no cover - compiled
+    out = np.empty(fps.shape[0], dtype=np.int64)
+    for j in range(fps.shape[0]):
+        fp = fps[j]
+        i = np.int64(mix64_scalar(fp) & np.uint64(mask))
+        r = -1
+        while True:
+            v = vals[i]
+            if v == -1:
+                break
+            if v >= 0 and keys[i] == fp:
+                r = v
+                break
+            i = (i + 1) & mask
+        out[j] = r
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _fm_insert(keys, vals, mask, fps, rows):  # pragma: no cover - compiled
+    """Insert absent keys; returns how many tombstones were reused."""
+    reused = 0
+    for j in range(fps.shape[0]):
+        fp = fps[j]
+        i = np.int64(mix64_scalar(fp) & np.uint64(mask))
+        while vals[i] >= 0:
+            i = (i + 1) & mask
+        if vals[i] == -2:
+            reused += 1
+        keys[i] = fp
+        vals[i] = rows[j]
+    return reused
+
+
+@numba.njit(cache=True, nogil=True)
+def _fm_delete(keys, vals, mask, fp):  # pragma: no cover - compiled
+    i = np.int64(mix64_scalar(fp) & np.uint64(mask))
+    while True:
+        v = vals[i]
+        if v == -1:
+            return False
+        if v >= 0 and keys[i] == fp:
+            vals[i] = -2
+            return True
+        i = (i + 1) & mask
+
+
+class FingerprintMap:
+    """uint64 fingerprint -> int content row; open addressing, linear probing, numba.
+
+    Load stays <= 3/4 (live + tombstones); a rehash drops tombstones and sizes the table to
+    about 1.5x the live keys. 12 bytes a slot: 16-36 bytes per key.
+    """
+
+    MAX_LOAD_NUM, MAX_LOAD_DEN = 3, 4
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._alloc(capacity)
+        self.live = 0
+        self.tombstones = 0
+
+    def _alloc(self, capacity: int) -> None:
+        self.keys = np.zeros(capacity, dtype=np.uint64)
+        self.vals = np.full(capacity, EMPTY, dtype=np.int32)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[0])
+
+    def lookup(self, fps: np.ndarray) -> np.ndarray:
+        """Rows (int64) for each fingerprint, -1 where absent."""
+        return _fm_lookup(self.keys, self.vals, self.capacity - 1, np.ascontiguousarray(fps, dtype=np.uint64))
+
+    def get(self, fp: int) -> int:
+        return int(self.lookup(np.array([fp], dtype=np.uint64))[0])
+
+    def insert(self, fps: np.ndarray, rows: np.ndarray) -> None:
+        """Insert fingerprints known to be absent (distinct) with their rows."""
+        n = int(fps.shape[0])
+        if n == 0:
+            return
+        if (self.live + self.tombstones + n) * self.MAX_LOAD_DEN > self.capacity * self.MAX_LOAD_NUM:
+            self._rehash(self.live + n)
+        reused = _fm_insert(self.keys, self.vals, self.capacity - 1,
+                            np.ascontiguousarray(fps, dtype=np.uint64), np.ascontiguousarray(rows, dtype=np.int32))
+        self.live += n
+        self.tombstones -= int(reused)
+
+    def delete(self, fp: int) -> bool:
+        if _fm_delete(self.keys, self.vals, self.capacity - 1, np.uint64(fp)):
+            self.live -= 1
+            self.tombstones += 1
+            return True
+        return False
+
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.vals.nbytes)
+
+    def _rehash(self, need: int) -> None:
+        live_mask = self.vals >= 0
+        keys, rows = self.keys[live_mask], self.vals[live_mask]
+        cap = 1024
+        while cap * 2 < need * 3:  # load after rehash <= 2/3
+            cap *= 2
+        self._alloc(cap)
+        _fm_insert(self.keys, self.vals, cap - 1, keys, rows)
+        self.tombstones = 0
+
+
+def _alloc_block(rows: int, width: int) -> np.ndarray:
+    """An uninitialised ``(rows, width)`` uint32 block, pre-faulted where the OS allows.
+
+    Rows are always written before they are read, so no zeroing is needed. On Linux the
+    block is mapped with ``MAP_POPULATE``: the kernel maps every page at once instead of
+    trapping on each first touch (measured 2.3x faster ingest of new tokens here).
+    """
+    nbytes = rows * width * 4
+    flags = getattr(mmap, "MAP_POPULATE", 0)
+    if flags and nbytes >= (1 << 20):
+        try:
+            mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+            return np.frombuffer(mm, dtype=np.uint32).reshape(rows, width)  # keeps mm alive
+        except (OSError, ValueError):
+            pass
+    return np.empty((rows, width), dtype=np.uint32)
+
+
+class TokenStore:
+    """Token rows of ``width`` uint32 each, in fixed blocks of ``block_rows`` rows.
+
+    Blocks, not one growing array: growth never copies the tokens and never leaves more than
+    one partly used block of slack (a doubling array would waste up to 50% of the largest
+    structure of the index). ``blocks`` is a numba typed list so compiled code reads rows
+    directly: row ``r`` is ``blocks[r >> shift][r & mask]``.
+    """
+
+    #: Target block size. Large blocks let the kernel back them with transparent huge pages
+    #: (numpy asks for them on allocations of 4 MiB and more): first-touch page faults were
+    #: half of the ingest time with 1 MiB blocks.
+    BLOCK_BYTES = 8 << 20
+
+    def __init__(self, width: int, block_shift: int | None = None) -> None:
+        if block_shift is None:
+            block_shift = max(6, (self.BLOCK_BYTES // (4 * width)).bit_length() - 1)
+        self.width = width
+        self.shift = block_shift
+        self.mask = (1 << block_shift) - 1
+        self.blocks = NumbaList()  # for compiled readers
+        self._py_blocks: list[np.ndarray] = []  # the same arrays, for cheap Python access
+        self._ro_blocks: list[np.ndarray] = []  # read-only views of them (rows handed out)
+        self.ensure(1)
+
+    def ensure(self, rows: int) -> None:
+        """Make rows ``0..rows-1`` addressable."""
+        while len(self._py_blocks) << self.shift < rows:
+            block = _alloc_block(1 << self.shift, self.width)
+            self._py_blocks.append(block)
+            self.blocks.append(block)
+            ro = block.view()
+            ro.setflags(write=False)
+            self._ro_blocks.append(ro)
+
+    def write(self, rows: np.ndarray, tokens2d: np.ndarray) -> None:
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return
+        self.ensure(int(rows.max()) + 1)
+        order = np.argsort(rows, kind="stable")
+        rows = rows[order]
+        blk = rows >> self.shift
+        cuts = np.concatenate(([0], np.flatnonzero(np.diff(blk)) + 1, [rows.size]))
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            block = self._py_blocks[int(blk[a])]
+            lo, hi = int(rows[a]) & self.mask, int(rows[b - 1]) & self.mask
+            src = order[a:b]
+            if hi - lo == b - a - 1:  # a contiguous run of rows: one slice copy
+                block[lo:hi + 1] = tokens2d[src] if src[-1] - src[0] != b - a - 1 else tokens2d[src[0]:src[-1] + 1]
+            else:
+                block[rows[a:b] & self.mask] = tokens2d[src]
+
+    def row(self, r: int) -> np.ndarray:
+        """Read-only view of row ``r`` (shares memory with the store)."""
+        return self._ro_blocks[r >> self.shift][r & self.mask]
+
+    def rows(self, rows: list[int]) -> list[np.ndarray]:
+        """Read-only views of many rows."""
+        ro, shift, mask = self._ro_blocks, self.shift, self.mask
+        return [ro[r >> shift][r & mask] for r in rows]
+
+    def nbytes(self) -> int:
+        return len(self._py_blocks) * (1 << self.shift) * self.width * 4

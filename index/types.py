@@ -1,0 +1,110 @@
+"""The vocabulary shared by the index, the directory and the service.
+
+Why a module of its own: the namespace rule (who may see which chunk) and the kv_rank
+packing are fleet-wide conventions. They are defined once here and every other module
+calls them, so that the store side (keys in cache events) and the query side (lookup
+requests) can never disagree on what a namespace is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = [
+    "UNKNOWN_TOKEN_OFFSET",
+    "DEFAULT_CHUNK_SIZE",
+    "BlendNamespace",
+    "BlendMatch",
+    "ObjectKey",
+    "pack_kv_rank",
+    "unpack_kv_rank",
+    "world_size_of_kv_rank",
+]
+
+#: ``token_offset`` of a chunk whose position in its stored sequence is not known. Such a
+#: chunk is never offered as a match: a wrong ``old_st`` gives wrong KV after re-RoPE.
+UNKNOWN_TOKEN_OFFSET = -1
+
+#: LMCache's default chunk size in tokens.
+DEFAULT_CHUNK_SIZE = 256
+
+
+class BlendNamespace(NamedTuple):
+    """Who may reuse a chunk: ``(model_name, cache_salt, world_size)``.
+
+    A match is offered only to a requester whose namespace claims the chunk; never across
+    namespaces. A NamedTuple: hashable, cheap, and equal by value, so the index can intern
+    it. ``world_size`` comes from the key's ``kv_rank`` on the store side
+    (:func:`world_size_of_kv_rank`) and from the request on the query side.
+    """
+
+    model_name: str
+    cache_salt: str = ""
+    world_size: int = 1
+
+    @classmethod
+    def from_object_key(cls, key: "ObjectKey") -> "BlendNamespace":
+        """The namespace a stored key claims for."""
+        return cls(key.model_name, key.cache_salt, world_size_of_kv_rank(key.kv_rank))
+
+
+class BlendMatch(NamedTuple):
+    """One reusable chunk found in a query.
+
+    ``old_st``: the token offset the chunk had in the sequence it was stored under (the
+    re-RoPE source). ``cur_st``: where its content starts in the query (the re-RoPE target).
+    """
+
+    chunk_hash: bytes
+    old_st: int
+    cur_st: int
+
+
+def pack_kv_rank(world_size: int, global_rank: int = 0, local_world_size: int = 1, local_rank: int = 0) -> int:
+    """LMCache's kv_rank packing: ``(ws<<24)|(global_rank<<16)|(local_ws<<8)|local_rank``.
+
+    Every field is one byte; a value outside 0..255 is a caller bug, so it raises.
+    """
+    for name, value in (
+        ("world_size", world_size),
+        ("global_rank", global_rank),
+        ("local_world_size", local_world_size),
+        ("local_rank", local_rank),
+    ):
+        if not 0 <= value <= 0xFF:
+            raise ValueError(f"{name} must be in 0..255, got {value!r}")
+    return (world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank
+
+
+def unpack_kv_rank(kv_rank: int) -> tuple[int, int, int, int]:
+    """Inverse of :func:`pack_kv_rank`: ``(world_size, global_rank, local_world_size, local_rank)``."""
+    return (kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF, (kv_rank >> 8) & 0xFF, kv_rank & 0xFF
+
+
+def world_size_of_kv_rank(kv_rank: int) -> int:
+    """The world size a key's ``kv_rank`` encodes: ``(kv_rank >> 24) & 0xFF``."""
+    return (kv_rank >> 24) & 0xFF
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectKey:
+    """The key LMCache names a stored object by.
+
+    ``chunk_hash`` is opaque bytes (prefix-chained by the servers). Several keys (one per
+    rank / object group) may share one chunk hash; they all bind to the same content.
+    """
+
+    chunk_hash: bytes
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return world_size_of_kv_rank(self.kv_rank)
+
+    @property
+    def namespace(self) -> BlendNamespace:
+        return BlendNamespace.from_object_key(self)
