@@ -1,0 +1,113 @@
+"""One conformance suite, run against every engine (tests/engines.py): identical candidates to
+the reference engine, bit for bit, and identical index answers through BlendIndex."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blendmatch.gpu.batch import Candidates, QueryBatch
+from blendmatch.gpu.reference import ReferenceEngine
+from blendmatch.index import BlendIndex, BlendMatch, BlendNamespace
+from blendmatch.index.fingerprint import chunk_fingerprints
+from blendmatch.index.slots import SlotArray
+
+NS = BlendNamespace("m")
+
+
+def _slots_with(chunks: np.ndarray, mode: str, extra_random: int = 0, rng=None, size: int | None = None) -> SlotArray:
+    s = SlotArray(mode)
+    fps = np.unique(chunk_fingerprints(chunks))
+    if extra_random:
+        fps = np.concatenate([fps, rng.integers(0, 1 << 63, size=extra_random, dtype=np.uint64)])
+    s.rebuild(fps, size=size)
+    return s
+
+
+def _check(engine, batch: QueryBatch, slots: SlotArray) -> Candidates:
+    got = engine.probe(batch, slots)
+    want = ReferenceEngine().probe(batch, slots)
+    assert got.same_as(want), f"{engine.name} differs from the reference"
+    assert got.windows == want.windows == batch.num_windows()
+    assert got.query_index.dtype == np.int64 and got.cur_st.dtype == np.int64 and got.fingerprint.dtype == np.uint64
+    return got
+
+
+@pytest.mark.parametrize("mode", ["tagged", "occupancy"])
+@pytest.mark.parametrize("stride", [1, 2, 3, 7, 8, 9])
+def test_random_batches_match_reference(engine, rng, mode, stride):
+    c = 8
+    chunks = rng.integers(0, 30, size=(60, c), dtype=np.uint32)  # small alphabet: many hits
+    # a small, crowded table: many shared slots and tag-only survivors
+    slots = _slots_with(chunks, mode, extra_random=40, rng=rng, size=128)
+    lengths = [0, 1, c - 1, c, c + 1, 50, 333, 2 * c]
+    queries = [rng.integers(0, 30, size=n, dtype=np.uint32) for n in lengths]
+    queries.append(chunks[:7].ravel())
+    got = _check(engine, QueryBatch.from_queries(queries, c, stride), slots)
+    assert len(got) > 0
+    assert np.all(got.cur_st % stride == 0)
+
+
+def test_empty_batch_and_short_queries(engine):
+    slots = SlotArray()
+    assert len(_check(engine, QueryBatch.from_queries([], 4, 1), slots)) == 0
+    got = _check(engine, QueryBatch.from_queries([np.zeros(3, np.uint32)] * 5, 4, 1), slots)
+    assert len(got) == 0 and got.windows == 0
+
+
+def test_windows_never_cross_query_boundaries(engine):
+    c = 4
+    chunk = np.array([11, 12, 13, 14], dtype=np.uint32)
+    slots = _slots_with(chunk[None, :], "tagged")
+    # the chunk only exists across the boundary of query 0 and query 1
+    q0 = np.array([1, 2, 11, 12], dtype=np.uint32)
+    q1 = np.array([13, 14, 5, 6], dtype=np.uint32)
+    assert len(_check(engine, QueryBatch.from_queries([q0, q1], c, 1), slots)) == 0
+    whole = np.concatenate([q0, q1])
+    got = _check(engine, QueryBatch.from_queries([whole], c, 1), slots)
+    assert got.cur_st.tolist() == [2]
+
+
+def test_shared_and_stale_slots(engine, rng):
+    c = 8
+    chunks = rng.integers(0, 1 << 32, size=(300, c), dtype=np.uint64).astype(np.uint32)
+    s = SlotArray()
+    fps = chunk_fingerprints(chunks)
+    s.rebuild(fps, size=256)  # over-full on purpose: most slots shared
+    s.remove(fps[:150])  # tagged ones clear, shared ones go stale
+    queries = [chunks.ravel(), rng.integers(0, 1 << 31, size=999, dtype=np.uint32)]
+    got = _check(engine, QueryBatch.from_queries(queries, c, 1), s)
+    # recall: every remaining chunk start survives
+    starts = set(got.cur_st[got.query_index == 0].tolist())
+    assert {i * c for i in range(150, 300)} <= starts
+
+
+def test_large_random_batch(engine, rng):
+    c = 16
+    chunks = rng.integers(0, 1 << 31, size=(500, c), dtype=np.uint32)
+    slots = _slots_with(chunks, "tagged", extra_random=5000, rng=rng)
+    queries = [np.concatenate([rng.integers(0, 1 << 31, size=int(rng.integers(0, 3000)), dtype=np.uint32),
+                               chunks[rng.integers(0, 500, size=5)].ravel()]) for _ in range(12)]
+    for stride in (1, 4):
+        _check(engine, QueryBatch.from_queries(queries, c, stride), slots)
+
+
+def test_index_answers_are_engine_independent(engine, rng):
+    c = 8
+    idx = BlendIndex(chunk_size=c, probe_stride=1, engine=engine)
+    ref = BlendIndex(chunk_size=c, probe_stride=1, engine="reference")
+    chunks = rng.integers(0, 20, size=(40, c), dtype=np.uint32)
+    for i, ch in enumerate(chunks):
+        ns = BlendNamespace("m", str(i % 3))
+        for target in (idx, ref):
+            target.add(ch, b"h%d" % i, i * c, ns)
+    queries = [(np.concatenate([rng.integers(0, 20, size=30, dtype=np.uint32), chunks[i:i + 4].ravel()]),
+                BlendNamespace("m", str(i % 3))) for i in range(0, 36, 3)]
+    assert idx.match_batch(queries) == ref.match_batch(queries)
+    assert idx.engine is engine
+
+
+def test_match_results_shape(engine):
+    idx = BlendIndex(chunk_size=4, engine=engine)
+    idx.add([1, 2, 3, 4], b"\x01", 8, NS)
+    assert idx.match([9, 1, 2, 3, 4], NS) == [BlendMatch(b"\x01", 8, 1)]

@@ -1,0 +1,116 @@
+"""The slot array: tag/shared semantics, recall, change log, rebuilds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from blendmatch.index.fingerprint import TAG_SHARED, slots_and_tags
+from blendmatch.index.slots import SlotArray
+
+
+def _same_slot_pair(mask: int, rng) -> tuple[int, int]:
+    """Two fingerprints that land in the same slot (found by search, not by construction)."""
+    fps = rng.integers(0, 1 << 63, size=20_000, dtype=np.uint64)
+    slots, _ = slots_and_tags(fps, mask)
+    order = np.argsort(slots, kind="stable")
+    dup = np.flatnonzero(np.diff(slots[order]) == 0)[0]
+    return int(fps[order[dup]]), int(fps[order[dup + 1]])
+
+
+def survives(s: SlotArray, fp: int) -> bool:
+    slot, tag = slots_and_tags(np.array([fp], dtype=np.uint64), s.mask)
+    v = s.table[slot[0]]
+    return bool(v == tag[0] or v == TAG_SHARED)
+
+
+def test_tag_written_then_cleared(rng):
+    s = SlotArray()
+    fp = 123456789
+    s.insert(np.array([fp], dtype=np.uint64))
+    slot, tag = slots_and_tags(np.array([fp], dtype=np.uint64), s.mask)
+    assert s.table[slot[0]] == tag[0] and survives(s, fp)
+    s.remove(np.array([fp], dtype=np.uint64))
+    assert s.table[slot[0]] == 0 and not survives(s, fp)
+
+
+def test_second_arrival_shares_and_removal_keeps_shared(rng):
+    s = SlotArray()
+    a, b = _same_slot_pair(s.mask, rng)
+    s.insert(np.array([a], dtype=np.uint64))
+    s.insert(np.array([b], dtype=np.uint64))
+    slot = slots_and_tags(np.array([a], dtype=np.uint64), s.mask)[0][0]
+    assert s.table[slot] == TAG_SHARED
+    s.remove(np.array([a], dtype=np.uint64))
+    assert survives(s, b), "a shared slot must never hide the remaining fingerprint"
+    assert s.table[slot] == TAG_SHARED and s.stale == 1
+
+
+def test_occupancy_mode_writes_255_and_never_clears():
+    s = SlotArray("occupancy")
+    fp = np.array([42], dtype=np.uint64)
+    s.insert(fp)
+    slot = slots_and_tags(fp, s.mask)[0][0]
+    assert s.table[slot] == TAG_SHARED
+    s.remove(fp)
+    assert s.table[slot] == TAG_SHARED
+
+
+def test_recall_is_complete_for_random_sets(rng):
+    for mode in ("tagged", "occupancy"):
+        s = SlotArray(mode)
+        fps = rng.integers(0, 1 << 63, size=5000, dtype=np.uint64)
+        s.rebuild(fps[:3000])
+        s.insert(fps[3000:])
+        s.remove(fps[:1000])
+        assert all(survives(s, int(f)) for f in fps[1000:])
+
+
+def test_change_log_replays_to_the_table(rng):
+    s = SlotArray()
+    mirror = s.table.copy()
+    gen, ver = s.generation, s.version
+    fps = rng.integers(0, 1 << 63, size=40, dtype=np.uint64)
+    s.insert(fps[:30])
+    s.remove(fps[:10])
+    s.insert(fps[30:])
+    ch = s.changes_since(gen, ver)
+    assert not ch.full and ch.version == s.version
+    mirror[ch.slots] = 0  # replay in order (numpy fancy assignment: last write wins on CPU)
+    for sl, v in zip(ch.slots, ch.values):
+        mirror[sl] = v
+    assert np.array_equal(mirror, s.table)
+    assert s.changes_since(ch.generation, ch.version).slots.size == 0
+
+
+def test_rebuild_bumps_generation_and_forces_full_upload(rng):
+    s = SlotArray()
+    gen, ver = s.generation, s.version
+    s.rebuild(rng.integers(0, 1 << 63, size=100, dtype=np.uint64))
+    ch = s.changes_since(gen, ver)
+    assert ch.full and ch.generation == gen + 1 and ch.table is s.table
+
+
+def test_growth_keeps_load_at_most_one_sixteenth(rng):
+    s = SlotArray()
+    fps = rng.integers(0, 1 << 63, size=10_000, dtype=np.uint64)
+    s.insert(fps[:64])
+    assert not s.needs_rebuild()
+    s.insert(fps[64:])
+    assert s.needs_rebuild()
+    s.rebuild(fps)
+    assert s.size >= 16 * 10_000 and s.size & (s.size - 1) == 0 and not s.needs_rebuild()
+
+
+def test_long_log_is_trimmed_to_full_upload(rng):
+    s = SlotArray()
+    s.rebuild(np.zeros(0, dtype=np.uint64), size=1 << 16)
+    gen, ver = s.generation, s.version
+    s.insert(rng.integers(0, 1 << 63, size=20_000, dtype=np.uint64))  # > size/4 changes
+    assert s.changes_since(gen, ver).full
+
+
+@pytest.mark.parametrize("bad", ["bloom", ""])
+def test_bad_filter_name(bad):
+    with pytest.raises(ValueError, match="filter"):
+        SlotArray(bad)
