@@ -20,6 +20,8 @@ How it is fast:
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -38,6 +40,11 @@ __all__ = ["CpuEngine", "ITEM_WINDOWS", "LANE"]
 ITEM_WINDOWS = 8192
 #: Windows per hash-then-probe sub-block (fits in L1 with room to spare).
 LANE = 64
+
+#: One parallel probe at a time per process: each already uses every core, and numba's
+#: fallback "workqueue" threading layer aborts on concurrent parallel launches (OpenMP and
+#: TBB merely oversubscribe). Readers of other engines are not affected.
+_PARALLEL_LOCK = threading.Lock()
 
 
 @intrinsic
@@ -179,8 +186,9 @@ class CpuEngine:
         items, total = _plan_items(batch.offsets, batch.window, batch.stride, self.item_windows)
         if total == 0:
             return Candidates.empty(0)
-        qi, st, fp = _probe_nb(batch.tokens, batch.offsets, batch.window, batch.stride, table,
-                               table.shape[0] - 1, base_powers(batch.window), items, total)
+        with _PARALLEL_LOCK:
+            qi, st, fp = _probe_nb(batch.tokens, batch.offsets, batch.window, batch.stride, table,
+                                   table.shape[0] - 1, base_powers(batch.window), items, total)
         return Candidates(qi, st, fp, int(total))
 
     def close(self) -> None:

@@ -126,6 +126,7 @@ class SlotArray:
             raise ValueError(f"min_size must be a power of two >= 1, got {min_size}")
         self.filter: FilterMode = filter
         self.min_size = min_size
+        self.floor_size = 0  # set by a reservation: never shrink below it
         self._occupancy = filter == "occupancy"
         self._lock = threading.Lock()
         self.table = np.zeros(min_size, dtype=np.uint8)
@@ -199,14 +200,14 @@ class SlotArray:
     def wanted_size(self, live: int) -> int:
         """The table size a rebuild for ``live`` fingerprints gets: the power of two ``>= 16*live``
         next growth is a doubling away."""
-        return max(self.min_size, _next_pow2(LOAD_RATIO * max(live, 1)))
+        return max(self.min_size, self.floor_size, _next_pow2(LOAD_RATIO * max(live, 1)))
 
     def needs_rebuild(self) -> bool:
         """Too full, far too empty, or too many stale/shared slots to keep the filter sharp."""
         size = self.size
         if self.live * LOAD_RATIO > size:
             return True
-        if size > self.min_size and self.live * LOAD_RATIO * 8 < size:
+        if size > max(self.min_size, self.floor_size) and self.live * LOAD_RATIO * 8 < size:
             return True
         return self.stale > max(1024, self.live // 4)
 

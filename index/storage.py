@@ -65,6 +65,11 @@ class Columns:
         self.size += fresh
         return ids
 
+    def reserve(self, n: int) -> None:
+        """Capacity for ``n`` rows without further growth."""
+        if n > self.capacity:
+            self._grow(n)
+
     def alloc_one(self) -> int:
         if self._free:
             return self._free.pop()
@@ -80,7 +85,7 @@ class Columns:
         return sum(int(a.nbytes) for a in self.cols.values()) + 8 * len(self._free)
 
     def _grow(self, need: int) -> None:
-        cap = max(need, self.capacity + self.capacity // 2, 1024)
+        cap = max(need, min(self.capacity + self.capacity // 2, need * 2), 1024)
         for k, a in self.cols.items():
             b = np.zeros(cap, dtype=a.dtype)
             b[: a.shape[0]] = a
@@ -175,6 +180,11 @@ class FingerprintMap:
                             np.ascontiguousarray(fps, dtype=np.uint64), np.ascontiguousarray(rows, dtype=np.int32))
         self.live += n
         self.tombstones -= int(reused)
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` live keys without a rehash."""
+        if (n + self.tombstones) * self.MAX_LOAD_DEN > self.capacity * self.MAX_LOAD_NUM:
+            self._rehash(n)
 
     def delete(self, fp: int) -> bool:
         if _fm_delete(self.keys, self.vals, self.capacity - 1, np.uint64(fp)):

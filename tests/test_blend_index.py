@@ -237,3 +237,18 @@ def test_memory_per_chunk_is_small(rng):
     # (Block slack of the last 8 MiB block dominates at this size; the benchmark measures 1M.)
     per_chunk = idx.memory_bytes() / n
     assert per_chunk < 1024 + 600, per_chunk
+
+
+def test_reserve_keeps_answers_and_avoids_growth(rng):
+    idx = BlendIndex(chunk_size=8, engine="cpu")
+    rows = rng.integers(0, 1 << 31, size=(3000, 8), dtype=np.uint32)
+    idx.add_many(rows[:10], [b"%d" % i for i in range(10)], np.arange(10) * 8, A)
+    idx.reserve(3000)
+    size, rebuilds = idx.stats()["table_size"], idx.stats()["rebuilds"]
+    assert size >= 16 * 3000
+    idx.add_many(rows[10:], [b"%d" % i for i in range(10, 3000)], np.arange(10, 3000) * 8, A)
+    st = idx.stats()
+    assert st["table_size"] == size and st["rebuilds"] == rebuilds
+    assert [m.cur_st for m in idx.match(rows.ravel(), A)] == list(range(0, 3000 * 8, 8))
+    with pytest.raises(ValueError):
+        idx.reserve(-1)
