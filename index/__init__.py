@@ -37,3 +37,42 @@ __all__ = [
 ]
 
 # Key directory exports are appended below by the directory module's author.
+from .events import (
+    EventBatch,
+    EventRequest,
+    EventRequestModel,
+    EventValidationError,
+    IngestGate,
+    parse_event_batch,
+    parse_event_request,
+    wire_batch,
+    wire_entry,
+)
+from .key_directory import (
+    SHARED_POOL_INSTANCE,
+    ApplyCounts,
+    BlendLookupDisabled,
+    FenceResult,
+    KeyDirectory,
+    KeyPlacements,
+    Placement,
+)
+
+__all__ += [
+    "SHARED_POOL_INSTANCE",
+    "ApplyCounts",
+    "BlendLookupDisabled",
+    "EventBatch",
+    "EventRequest",
+    "EventRequestModel",
+    "EventValidationError",
+    "FenceResult",
+    "IngestGate",
+    "KeyDirectory",
+    "KeyPlacements",
+    "Placement",
+    "parse_event_batch",
+    "parse_event_request",
+    "wire_batch",
+    "wire_entry",
+]

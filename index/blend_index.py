@@ -27,6 +27,10 @@ slot array tolerates concurrent readers). Lock order: directory -> index; the in
 calls back into its caller.
 
 Memory: see ``storage.py``; about 100-200 bytes per chunk beyond its 1 KiB of tokens.
+Token rows handed out by ``add``/``add_many`` are shared, read-only views: a row is never
+reused while its content still has an occupant (hence a claim), so the key directory keeps
+these views as its only copy of a binding's tokens. ``memory_bytes`` counts the chunk-hash
+bytes objects, which the directory shares; do not add them twice.
 """
 
 from __future__ import annotations

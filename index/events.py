@@ -1,0 +1,780 @@
+"""Cache events: LMCache's ``POST /events`` wire shape, its validation, and the ingest gate.
+
+Question answered: "is this request of cache events well formed, and which of its batches
+should the directory apply?"
+
+The wire shape (LMCache-compatible JSON; unknown fields are ignored so that newer senders
+keep working)::
+
+    {"batches": [{
+        "instance_id": str (non-empty), "incarnation": int >= 0, "seq": int >= 1,
+        "event_type": "store" | "delete" | "access" | "config",
+        "tier": "l1" | "l2",                  # nothing else, "all" included
+        "backend": str (non-empty except for access; default ""),
+        "shared": bool = false, "ts": number >= 0 = 0,
+        "capacity_bytes": int >= 0, "capacity_revision": int >= 0,   # config only, optional
+        "entries": [{                        # config batches carry none; default []
+            "key": {"chunk_hash_hex": hex (even length, either case, 1..128 bytes),
+                    "model_name": str (non-empty, no "@"),
+                    "kv_rank": int in 0..2^32-1 (packed, see types.pack_kv_rank),
+                    "object_group_id": int >= 0 = 0,
+                    "cache_salt": str = "" (at most 128 chars, none of "@", "/", "\\", NUL)},
+            "size_bytes": int >= 0,
+            "token_ids": [int, ...] = [],
+            "token_offset": int >= -1 = -1}]}]}
+
+How it is fast: validation is hand-written, because pydantic on 1,000 entries x 256 tokens
+costs more than the whole ingest budget. A batch is checked column by column with C loops
+(comprehensions, ``map``, ``set``, ``min``/``max``) and ``token_ids`` are converted with
+``array('I').fromlist`` (a C loop that range-checks for free; it is bound by reading the
+Python ints, ~3 us per 256-token entry on the 2-core dev VM). Only a batch with something
+unusual (a missing field, a bad value, a first-seen key scope, ids outside uint32) takes the
+entry-by-entry path that names the bad field. The pydantic models at the bottom
+(:class:`EventRequestModel`) describe the same shape for OpenAPI; a test checks that both
+accept and reject the same payloads.
+
+Token ids outside ``0..2^32-1`` are *valid on the wire*: such an entry is applied (its
+placement counts) but it fills no token binding (the directory logs a warning). Any other
+non-integer token id is a validation error. Known leniency: JSON ``true``/``false`` inside
+``token_ids`` read as 1/0 (bool is an int in Python; checking would cost a Python loop).
+
+Errors: :class:`EventValidationError` (a ``ValueError``) names the field by its path,
+e.g. ``batches[0].entries[3].key.chunk_hash_hex``. A request is validated whole before
+anything is applied, so a bad batch rejects the request and nothing of it is applied.
+
+The gate (:class:`IngestGate`) is transport-neutral: HTTP feeds it today, a durable log
+(Kafka) can feed it the same batches later. Per instance it keeps ``(incarnation,
+last_seq)``: a lower incarnation is stale; a higher one means the instance restarted, so its
+L1 placements must be fenced before the batch is applied; ``seq <= last_seq`` is a duplicate;
+a gap (``seq > last_seq + 1``) is logged, counted and admitted. Not thread-safe by itself:
+the directory calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import sys
+from array import array
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, Iterable, Literal, NamedTuple, Optional, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .types import BlendNamespace, ObjectKey, UNKNOWN_TOKEN_OFFSET, world_size_of_kv_rank
+
+__all__ = [
+    "EVENT_TYPES",
+    "TIERS",
+    "MAX_CHUNK_HASH_BYTES",
+    "MAX_CACHE_SALT_CHARS",
+    "EventValidationError",
+    "KeyScope",
+    "TokenColumn",
+    "EntryColumns",
+    "EventBatch",
+    "EventRequest",
+    "parse_event_request",
+    "parse_event_batch",
+    "wire_entry",
+    "wire_batch",
+    "Admission",
+    "InstanceCursor",
+    "IngestGate",
+    "ObjectKeyModel",
+    "EventEntryModel",
+    "EventBatchModel",
+    "EventRequestModel",
+]
+
+log = logging.getLogger(__name__)
+
+EventType = Literal["store", "delete", "access", "config"]
+Tier = Literal["l1", "l2"]
+EVENT_TYPES: tuple[str, ...] = ("store", "delete", "access", "config")
+TIERS: tuple[str, ...] = ("l1", "l2")
+
+#: Longest chunk hash accepted (bytes). LMCache hashes are 8-32 bytes; the cap keeps a
+#: hostile key from costing memory in every structure that holds it.
+MAX_CHUNK_HASH_BYTES = 128
+#: Longest cache salt (characters); salts are tenant tags, not payloads.
+MAX_CACHE_SALT_CHARS = 128
+_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+_KV_RANK_MAX = 0xFFFFFFFF
+_INT64_MAX = (1 << 63) - 1
+
+if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte int
+    raise ImportError("blendmatch needs a 4-byte C unsigned int for token parsing")
+
+
+class EventValidationError(ValueError):
+    """A request of cache events is malformed; nothing of it was applied.
+
+    ``field`` is the path of the bad value (``batches[0].entries[3].key.model_name``),
+    ``loc`` the same as a tuple (``("batches", 0, "entries", 3, "key", "model_name")``, the
+    shape FastAPI puts in a 422 body), ``reason`` what is wrong with it.
+    """
+
+    def __init__(self, loc: Sequence[str | int], reason: str) -> None:
+        self.loc: tuple[str | int, ...] = tuple(loc)
+        self.field: str = _loc_to_path(self.loc)
+        self.reason: str = reason
+        super().__init__(f"{self.field}: {reason}" if self.field else reason)
+
+
+def _loc_to_path(loc: Sequence[str | int]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(f".{item}" if parts else item)
+    return "".join(parts)
+
+
+class _Bad(Exception):
+    """Internal: a bad value at ``loc`` relative to the object being parsed (cheap to raise;
+    the caller prefixes the path, so the hot loop never formats strings)."""
+
+    def __init__(self, loc: tuple[str | int, ...], reason: str) -> None:
+        super().__init__(reason)
+        self.loc = loc
+        self.reason = reason
+
+
+class KeyScope(NamedTuple):
+    """Everything of an :class:`~blendmatch.index.types.ObjectKey` except its chunk hash.
+
+    One fleet has few scopes (model x rank x object group x salt) and millions of chunks, so
+    scopes are interned: every entry of the same scope shares one object, and its namespace
+    is computed once. ``ObjectKey(chunk_hash, *scope[:4])`` rebuilds the full key.
+    """
+
+    model_name: str
+    kv_rank: int
+    object_group_id: int
+    cache_salt: str
+    namespace: BlendNamespace
+
+    def object_key(self, chunk_hash: bytes) -> ObjectKey:
+        return ObjectKey(chunk_hash, self.model_name, self.kv_rank, self.object_group_id, self.cache_salt)
+
+
+class _Interner:
+    """Validated, interned names and scopes. Bounded: when full it starts over (interning is
+    only a memory saving; nothing compares these objects by identity)."""
+
+    MAX_ITEMS = 1 << 16
+
+    def __init__(self) -> None:
+        self.models: dict[str, str] = {}
+        self.salts: dict[str, str] = {}
+        self.names: dict[str, str] = {}
+        self.scopes: dict[tuple, KeyScope] = {}
+
+    def _trim(self, table: dict) -> None:
+        if len(table) >= self.MAX_ITEMS:
+            table.clear()
+
+    def model(self, value: Any) -> str:
+        got = self.models.get(value) if type(value) is str else None
+        if got is not None:
+            return got
+        if type(value) is not str:
+            raise _Bad(("model_name",), f"must be a string, got {_type_name(value)}")
+        if not value:
+            raise _Bad(("model_name",), "must not be empty")
+        if "@" in value:
+            raise _Bad(("model_name",), f"must not contain '@', got {value!r}")
+        self._trim(self.models)
+        got = self.models[value] = sys.intern(value)
+        return got
+
+    def salt(self, value: Any) -> str:
+        got = self.salts.get(value) if type(value) is str else None
+        if got is not None:
+            return got
+        if type(value) is not str:
+            raise _Bad(("cache_salt",), f"must be a string, got {_type_name(value)}")
+        if len(value) > MAX_CACHE_SALT_CHARS:
+            raise _Bad(("cache_salt",), f"must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
+        for ch in _SALT_FORBIDDEN:
+            if ch in value:
+                raise _Bad(("cache_salt",), f"must not contain {ch!r}, got {value!r}")
+        self._trim(self.salts)
+        got = self.salts[value] = sys.intern(value)
+        return got
+
+    def name(self, value: str) -> str:
+        got = self.names.get(value)
+        if got is None:
+            self._trim(self.names)
+            got = self.names[value] = sys.intern(value)
+        return got
+
+    def scope(self, model: str, kv_rank: int, group: int, salt: str) -> KeyScope:
+        raw = (model, kv_rank, group, salt)
+        got = self.scopes.get(raw)
+        if got is None:
+            self._trim(self.scopes)
+            ns = BlendNamespace(model, salt, world_size_of_kv_rank(kv_rank))
+            got = self.scopes[raw] = KeyScope(model, kv_rank, group, salt, ns)
+        return got
+
+
+_INTERN = _Interner()
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+# --------------------------------------------------------------------------- entries
+
+
+class TokenColumn:
+    """The ``token_ids`` of one batch's entries, converted to uint32 in one buffer.
+
+    ``lengths[i]`` is the number of usable tokens of entry ``i`` (0: none, or ids outside
+    uint32, see :attr:`unfilled`) and ``starts[i]`` where they begin in :attr:`flat`.
+    :attr:`flat` is read-only and shared by the row views: a consumer that keeps a row
+    beyond the batch must copy it (or keep the index's copy).
+    """
+
+    __slots__ = ("flat", "starts", "lengths", "unfilled", "_block")
+
+    def __init__(self, flat: np.ndarray, lengths: list[int], unfilled: list[int]) -> None:
+        self.flat = flat
+        self.lengths = lengths
+        self.starts = list(accumulate(lengths, initial=0))[:-1] if lengths else []
+        self.unfilled = unfilled
+        self._block: Optional[np.ndarray] = None
+        n = len(lengths)
+        if n and lengths[0] and flat.size == n * lengths[0] and lengths.count(lengths[0]) == n:
+            self._block = flat.reshape(n, lengths[0])  # every entry has tokens of one length
+
+    def row(self, i: int) -> Optional[np.ndarray]:
+        """Entry ``i``'s tokens as a read-only view, or None when it has none usable."""
+        length = self.lengths[i]
+        if not length:
+            return None
+        if self._block is not None:
+            return self._block[i]
+        start = self.starts[i]
+        return self.flat[start:start + length]
+
+    def rows_of_length(self, length: int) -> bool:
+        """True when every entry has exactly ``length`` usable tokens."""
+        return self._block is not None and self._block.shape[1] == length
+
+    def rows(self, indices: Sequence[int]) -> np.ndarray:
+        """A fresh ``(len(indices), L)`` uint32 array of the given entries' rows (all usable,
+        all of one length ``L``: the caller checked)."""
+        if self._block is not None:
+            return self._block[np.asarray(indices, dtype=np.intp)]
+        if not indices:
+            return np.zeros((0, 0), dtype=np.uint32)
+        return np.stack([self.row(i) for i in indices])
+
+
+class EntryColumns:
+    """The entries of one batch, column by column (what the directory loops over):
+    ``chunk_hashes`` (bytes), ``scopes`` (:class:`KeyScope`, interned), ``sizes``,
+    ``offsets`` (-1 unknown) and ``tokens`` (:class:`TokenColumn`)."""
+
+    __slots__ = ("chunk_hashes", "scopes", "sizes", "offsets", "tokens", "_distinct")
+
+    def __init__(self, chunk_hashes: list[bytes], scopes: list[KeyScope], sizes: list[int],
+                 offsets: list[int], tokens: TokenColumn) -> None:
+        self.chunk_hashes = chunk_hashes
+        self.scopes = scopes
+        self.sizes = sizes
+        self.offsets = offsets
+        self.tokens = tokens
+        self._distinct: Optional[bool] = None
+
+    def __len__(self) -> int:
+        return len(self.chunk_hashes)
+
+    @property
+    def items(self) -> list[tuple[bytes, KeyScope, int, int]]:
+        """``(chunk_hash, scope, size_bytes, token_offset)`` per entry."""
+        return list(zip(self.chunk_hashes, self.scopes, self.sizes, self.offsets))
+
+    @property
+    def distinct_hashes(self) -> bool:
+        """True when no chunk hash occurs twice in the batch (computed once)."""
+        if self._distinct is None:
+            self._distinct = len(set(self.chunk_hashes)) == len(self.chunk_hashes)
+        return self._distinct
+
+    def keys(self) -> list[ObjectKey]:
+        """The entries' keys as :class:`ObjectKey` (built on demand; not used on the hot path)."""
+        return [scope.object_key(h) for h, scope in zip(self.chunk_hashes, self.scopes)]
+
+
+_EMPTY_COLUMN = TokenColumn(np.zeros(0, dtype=np.uint32), [], [])
+_NO_TOKENS: list[int] = []
+_INT_ONLY = {int}
+_LIST_ONLY = {list}
+
+
+def _empty_entries() -> EntryColumns:
+    return EntryColumns([], [], [], [], _EMPTY_COLUMN)
+
+
+def _parse_entries(raw: Any) -> EntryColumns:
+    """Validate a batch's ``entries`` and convert their tokens.
+
+    This is the ingest hot path, so the common case is checked column by column with C
+    loops (comprehensions, ``map``, ``set``): every field present with an exact type, ranges
+    by ``min``/``max``, hashes of one length, and every key's scope found in a cache keyed
+    by the raw key fields (a hit means that model name, rank, group and salt were
+    validated before). Token lists go through ``array('I').fromlist``: a C loop that
+    range-checks and leaves the buffer unchanged when it fails. Anything unusual (a
+    missing field, a first-seen scope, a bad value, ids outside uint32) sends the batch
+    to :func:`_parse_entries_slow`, which validates entry by entry and names the field.
+    """
+    if type(raw) is not list:
+        raise _Bad(("entries",), f"must be a list, got {_type_name(raw)}")
+    if not raw:
+        return _empty_entries()
+    try:
+        keys = [e["key"] for e in raw]
+        hexes = [k["chunk_hash_hex"] for k in keys]
+        hashes = list(map(bytes.fromhex, hexes))
+        kv_ranks = [k["kv_rank"] for k in keys]
+        groups = [k.get("object_group_id", 0) for k in keys]
+        raw_scopes = zip([k["model_name"] for k in keys], kv_ranks, groups, [k.get("cache_salt", "") for k in keys])
+        scopes = list(map(_INTERN.scopes.get, raw_scopes))
+        sizes = [e["size_bytes"] for e in raw]
+        offsets = [e.get("token_offset", -1) for e in raw]
+        token_lists = [e.get("token_ids", _NO_TOKENS) for e in raw]
+        hex_lens = set(map(len, hexes))
+        hash_lens = set(map(len, hashes))
+        ok = (len(hex_lens) == 1 and len(hash_lens) == 1
+              and 0 < 2 * min(hash_lens) == min(hex_lens) <= 2 * MAX_CHUNK_HASH_BYTES
+              and set(map(type, kv_ranks + groups + sizes + offsets)) == _INT_ONLY
+              and set(map(type, token_lists)) == _LIST_ONLY
+              and 0 <= min(sizes) and max(sizes) <= _INT64_MAX
+              and -1 <= min(offsets) and max(offsets) <= _INT64_MAX
+              and None not in scopes)
+    except Exception:  # noqa: BLE001 - anything unusual: the slow path names the field
+        ok = False
+    if not ok:
+        return _parse_entries_slow(raw)
+    buf = array("I")
+    fromlist = buf.fromlist
+    try:
+        for tokens in token_lists:
+            fromlist(tokens)
+    except (OverflowError, TypeError):
+        return _parse_entries_slow(raw)
+    flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else np.zeros(0, dtype=np.uint32)
+    flat.setflags(write=False)
+    return EntryColumns(hashes, scopes, sizes, offsets, TokenColumn(flat, list(map(len, token_lists)), []))
+
+
+def _parse_entries_slow(raw: list) -> EntryColumns:
+    """Entry by entry, with full validation; ``_Bad`` locations are batch-relative."""
+    hashes: list[bytes] = []
+    scopes: list[KeyScope] = []
+    sizes: list[int] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    unfilled: list[int] = []
+    buf = array("I")
+    i = 0
+    try:
+        for i, entry in enumerate(raw):
+            h, scope, size, offset, tokens = _parse_entry(entry)
+            hashes.append(h)
+            scopes.append(scope)
+            sizes.append(size)
+            offsets.append(offset)
+            try:
+                buf.fromlist(tokens)
+                lengths.append(len(tokens))
+            except (OverflowError, TypeError):
+                _check_token_types(tokens, ("token_ids",))  # raises for non-integers
+                unfilled.append(i)
+                lengths.append(0)
+    except _Bad as bad:
+        raise _Bad(("entries", i) + bad.loc, bad.reason) from None
+    flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else np.zeros(0, dtype=np.uint32)
+    flat.setflags(write=False)
+    return EntryColumns(hashes, scopes, sizes, offsets, TokenColumn(flat, lengths, unfilled))
+
+
+def _check_token_types(tokens: list[Any], loc: tuple) -> None:
+    """Slow path: every token id must be an integer (any size; range is checked elsewhere)."""
+    for k, value in enumerate(tokens):
+        if not isinstance(value, int):
+            raise _Bad(loc + (k,), f"token ids must be integers, got {_type_name(value)} {value!r}")
+
+
+def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, list]:
+    """One entry, fully validated -> ``(chunk_hash, scope, size_bytes, token_offset,
+    token_ids)``; raises ``_Bad`` (entry-relative location) naming the bad field."""
+    if type(entry) is not dict:
+        raise _Bad((), f"must be an object, got {_type_name(entry)}")
+    key = entry.get("key")
+    if type(key) is not dict:
+        raise _Bad(("key",), "is required" if key is None else f"must be an object, got {_type_name(key)}")
+    try:
+        chunk_hash = _parse_hash(key.get("chunk_hash_hex"))
+        model = _INTERN.model(key.get("model_name"))
+        kv_rank = key.get("kv_rank")
+        if type(kv_rank) is not int or not 0 <= kv_rank <= _KV_RANK_MAX:
+            raise _Bad(("kv_rank",), _int_reason(kv_rank, 0, _KV_RANK_MAX))
+        group = key.get("object_group_id", 0)
+        if type(group) is not int or not 0 <= group <= _INT64_MAX:
+            raise _Bad(("object_group_id",), _int_reason(group, 0, _INT64_MAX))
+        salt = _INTERN.salt(key.get("cache_salt", ""))
+    except _Bad as bad:
+        raise _Bad(("key",) + bad.loc, bad.reason) from None
+    size = entry.get("size_bytes")
+    if type(size) is not int or not 0 <= size <= _INT64_MAX:
+        raise _Bad(("size_bytes",), _int_reason(size, 0, _INT64_MAX))
+    offset = entry.get("token_offset", UNKNOWN_TOKEN_OFFSET)
+    if type(offset) is not int or not UNKNOWN_TOKEN_OFFSET <= offset <= _INT64_MAX:
+        raise _Bad(("token_offset",), _int_reason(offset, UNKNOWN_TOKEN_OFFSET, _INT64_MAX))
+    tokens = entry.get("token_ids", _NO_TOKENS)
+    if type(tokens) is not list:
+        raise _Bad(("token_ids",), f"must be a list of integers, got {_type_name(tokens)}")
+    return chunk_hash, _INTERN.scope(model, kv_rank, group, salt), size, offset, tokens
+
+
+def _parse_hash(value: Any) -> bytes:
+    if type(value) is not str:
+        reason = "is required" if value is None else f"must be a hex string, got {_type_name(value)}"
+        raise _Bad(("chunk_hash_hex",), reason)
+    n = len(value)
+    if n == 0 or n & 1 or n > 2 * MAX_CHUNK_HASH_BYTES:
+        raise _Bad(("chunk_hash_hex",), f"must be 2..{2 * MAX_CHUNK_HASH_BYTES} hex digits of even length, got {n}")
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        raise _Bad(("chunk_hash_hex",), f"must be hexadecimal, got {value[:80]!r}") from None
+    if 2 * len(raw) != n:  # fromhex skips whitespace between bytes
+        raise _Bad(("chunk_hash_hex",), f"must be hexadecimal without spaces, got {value[:80]!r}")
+    return raw
+
+
+def _int_reason(value: Any, lo: int, hi: int) -> str:
+    if value is None:
+        return "is required"
+    if type(value) is not int:
+        return f"must be an integer, got {_type_name(value)}"
+    return f"must be in {lo}..{hi}, got {value}"
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """One validated batch of cache events from one instance (see the module docstring).
+
+    A ``shared`` batch reports placements in a shared pool (deduplicated across reporters);
+    ``capacity_bytes``/``capacity_revision`` are set only on config batches.
+    """
+
+    instance_id: str
+    incarnation: int
+    seq: int
+    event_type: str
+    tier: str
+    backend: str
+    shared: bool
+    ts: float
+    entries: EntryColumns
+    capacity_bytes: Optional[int] = None
+    capacity_revision: Optional[int] = None
+
+
+@dataclass(frozen=True, slots=True)
+class EventRequest:
+    """A validated ``POST /events`` body: the batches, in the order they are to be applied."""
+
+    batches: tuple[EventBatch, ...]
+
+    @property
+    def num_entries(self) -> int:
+        return sum(len(b.entries) for b in self.batches)
+
+
+def parse_event_request(payload: Any) -> EventRequest:
+    """Validate a decoded ``POST /events`` body (``{"batches": [...]}``) as a whole.
+
+    Raises :class:`EventValidationError` naming the first bad field; then nothing of the
+    request may be applied. Already-parsed input (:class:`EventRequest`) is returned as is.
+    """
+    if isinstance(payload, EventRequest):
+        return payload
+    if type(payload) is not dict:
+        raise EventValidationError((), f"request must be an object with 'batches', got {_type_name(payload)}")
+    raw = payload.get("batches")
+    if type(raw) is not list:
+        reason = "is required" if raw is None else f"must be a list, got {_type_name(raw)}"
+        raise EventValidationError(("batches",), reason)
+    return EventRequest(tuple(parse_event_batch(b, loc=("batches", i)) for i, b in enumerate(raw)))
+
+
+def parse_event_batch(raw: Any, *, loc: tuple = ()) -> EventBatch:
+    """Validate one batch (the unit a log transport such as Kafka would carry).
+
+    ``loc`` prefixes field paths in errors. Raises :class:`EventValidationError`.
+    """
+    if isinstance(raw, EventBatch):
+        return raw
+    try:
+        return _parse_batch(raw)
+    except _Bad as bad:
+        raise EventValidationError(tuple(loc) + bad.loc, bad.reason) from None
+
+
+def _parse_batch(raw: Any) -> EventBatch:
+    if type(raw) is not dict:
+        raise _Bad((), f"must be an object, got {_type_name(raw)}")
+    instance_id = raw.get("instance_id")
+    if type(instance_id) is not str or not instance_id:
+        raise _Bad(("instance_id",), "must be a non-empty string" + _got(instance_id))
+    incarnation = _required_int(raw, "incarnation", 0)
+    seq = _required_int(raw, "seq", 1)
+    event_type = raw.get("event_type")
+    if event_type not in EVENT_TYPES or type(event_type) is not str:
+        raise _Bad(("event_type",), f"must be one of {', '.join(EVENT_TYPES)}" + _got(event_type))
+    tier = raw.get("tier")
+    if tier not in TIERS or type(tier) is not str:
+        raise _Bad(("tier",), f"must be one of {', '.join(TIERS)}" + _got(tier))
+    backend = raw.get("backend", "")
+    if type(backend) is not str:
+        raise _Bad(("backend",), "must be a string" + _got(backend))
+    if not backend and event_type != "access":
+        raise _Bad(("backend",), f"must not be empty for {event_type} events")
+    shared = raw.get("shared", False)
+    if type(shared) is not bool:
+        raise _Bad(("shared",), "must be a boolean" + _got(shared))
+    ts = raw.get("ts", 0)
+    if type(ts) not in (int, float) or not math.isfinite(ts) or ts < 0:
+        raise _Bad(("ts",), "must be a finite number >= 0" + _got(ts))
+    capacity_bytes = _optional_int(raw, "capacity_bytes", event_type)
+    capacity_revision = _optional_int(raw, "capacity_revision", event_type)
+    raw_entries = raw.get("entries", _NO_TOKENS)
+    if event_type == "config" and raw_entries == _NO_TOKENS:
+        entries = _empty_entries()
+    elif event_type == "config":
+        raise _Bad(("entries",), "config batches carry no entries")
+    else:
+        entries = _parse_entries(raw_entries)
+    return EventBatch(
+        instance_id=_INTERN.name(instance_id), incarnation=incarnation, seq=seq,
+        event_type=_INTERN.name(event_type), tier=_INTERN.name(tier), backend=_INTERN.name(backend),
+        shared=shared, ts=float(ts), entries=entries,
+        capacity_bytes=capacity_bytes, capacity_revision=capacity_revision,
+    )
+
+
+def _got(value: Any) -> str:
+    return ", missing" if value is None else f", got {value!r}"[:100]
+
+
+def _required_int(raw: dict, name: str, lo: int) -> int:
+    value = raw.get(name)
+    if type(value) is not int or not lo <= value <= _INT64_MAX:
+        raise _Bad((name,), _int_reason(value, lo, _INT64_MAX))
+    return value
+
+
+def _optional_int(raw: dict, name: str, event_type: str) -> Optional[int]:
+    value = raw.get(name)
+    if value is None:
+        return None
+    if event_type != "config":
+        raise _Bad((name,), f"is only allowed on config batches (event_type is {event_type!r})")
+    if type(value) is not int or not 0 <= value <= _INT64_MAX:
+        raise _Bad((name,), _int_reason(value, 0, _INT64_MAX))
+    return value
+
+
+# --------------------------------------------------------------------------- wire builders
+
+
+def wire_entry(chunk_hash: bytes | str, model_name: str, kv_rank: int = 1 << 24, *,
+               object_group_id: int = 0, cache_salt: str = "", size_bytes: int = 0,
+               token_ids: Optional[Iterable[int]] = None,
+               token_offset: int = UNKNOWN_TOKEN_OFFSET) -> dict[str, Any]:
+    """One entry in wire (JSON) form, for producers, tests and benchmarks.
+
+    ``chunk_hash`` may be bytes (hex-encoded here) or a hex string; ``kv_rank`` defaults to
+    world size 1, rank 0.
+    """
+    hex_hash = chunk_hash.hex() if isinstance(chunk_hash, (bytes, bytearray)) else chunk_hash
+    entry: dict[str, Any] = {
+        "key": {"chunk_hash_hex": hex_hash, "model_name": model_name, "kv_rank": kv_rank,
+                "object_group_id": object_group_id, "cache_salt": cache_salt},
+        "size_bytes": size_bytes,
+        "token_offset": token_offset,
+    }
+    if token_ids is not None:
+        entry["token_ids"] = [int(t) for t in token_ids] if not isinstance(token_ids, list) else token_ids
+    return entry
+
+
+def wire_batch(instance_id: str, seq: int, event_type: str = "store", entries: Sequence[dict] = (), *,
+               incarnation: int = 0, tier: str = "l1", backend: str = "LocalCPUBackend",
+               shared: bool = False, ts: float = 0.0, **extra: Any) -> dict[str, Any]:
+    """One batch in wire (JSON) form; ``extra`` adds fields (``capacity_bytes`` ...)."""
+    batch: dict[str, Any] = {
+        "instance_id": instance_id, "incarnation": incarnation, "seq": seq,
+        "event_type": event_type, "tier": tier, "backend": backend, "shared": shared,
+        "ts": ts, "entries": list(entries),
+    }
+    batch.update(extra)
+    return batch
+
+
+# --------------------------------------------------------------------------- the gate
+
+
+class Admission(enum.Enum):
+    """What the gate decided about one batch."""
+
+    APPLY = "apply"
+    #: The instance restarted (higher incarnation): fence its L1 placements, then apply.
+    FENCE_AND_APPLY = "fence_and_apply"
+    DUPLICATE = "duplicate"
+    STALE = "stale"
+
+
+class InstanceCursor(NamedTuple):
+    """Where the gate stands for one instance."""
+
+    incarnation: int
+    last_seq: int
+
+
+class IngestGate:
+    """Per-instance ordering of event batches (see the module docstring for the rules).
+
+    Counters (cumulative): ``applied``, ``duplicates``, ``stale`` (batches), ``gaps`` (batches
+    that arrived after a gap), ``missed`` (sequence numbers skipped by those gaps) and
+    ``fences`` (restarts seen). Call with the owner's lock held.
+    """
+
+    def __init__(self) -> None:
+        self._cursors: dict[str, InstanceCursor] = {}
+        self.applied = 0
+        self.duplicates = 0
+        self.stale = 0
+        self.gaps = 0
+        self.missed = 0
+        self.fences = 0
+
+    def admit(self, instance_id: str, incarnation: int, seq: int) -> Admission:
+        """Classify one batch and, when it is to be applied, advance the instance's cursor."""
+        cur = self._cursors.get(instance_id)
+        verdict = Admission.APPLY
+        last_seq = 0
+        if cur is not None:
+            if incarnation < cur.incarnation:
+                self.stale += 1
+                return Admission.STALE
+            if incarnation > cur.incarnation:
+                verdict = Admission.FENCE_AND_APPLY
+                self.fences += 1
+            elif seq <= cur.last_seq:
+                self.duplicates += 1
+                return Admission.DUPLICATE
+            else:
+                last_seq = cur.last_seq
+        if seq > last_seq + 1:
+            self.gaps += 1
+            self.missed += seq - last_seq - 1
+            log.warning("cache events from %s (incarnation %d): gap before seq %d (last applied %d)",
+                        instance_id, incarnation, seq, last_seq)
+        self._cursors[instance_id] = InstanceCursor(incarnation, seq)
+        self.applied += 1
+        return verdict
+
+    def cursor(self, instance_id: str) -> Optional[InstanceCursor]:
+        """The instance's ``(incarnation, last_seq)``, or None if never seen."""
+        return self._cursors.get(instance_id)
+
+    def cursors(self) -> dict[str, InstanceCursor]:
+        """A snapshot of every instance's cursor."""
+        return dict(self._cursors)
+
+    def counters(self) -> dict[str, int]:
+        return {"applied": self.applied, "duplicates": self.duplicates, "stale": self.stale,
+                "gaps": self.gaps, "missed": self.missed, "fences": self.fences}
+
+
+# --------------------------------------------------------------------------- schema models
+# The same wire shape as pydantic v2 models: for the OpenAPI schema and as an executable
+# specification (tests check the fast validator above agrees with them). Not used on the
+# ingest path: validating 256 token ids per entry here costs more than the whole ingest.
+
+
+class ObjectKeyModel(BaseModel):
+    """``key`` of an entry."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    chunk_hash_hex: str = Field(min_length=2, max_length=2 * MAX_CHUNK_HASH_BYTES,
+                                pattern=r"^(?:[0-9a-fA-F]{2})+$")
+    model_name: str = Field(min_length=1, pattern=r"^[^@]+$")
+    kv_rank: int = Field(ge=0, le=_KV_RANK_MAX)
+    object_group_id: int = Field(default=0, ge=0, le=_INT64_MAX)
+    cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS, pattern=r"^[^@/\\\x00]*$")
+
+
+class EventEntryModel(BaseModel):
+    """One entry; ids outside uint32 in ``token_ids`` are accepted (they fill no binding)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    key: ObjectKeyModel
+    size_bytes: int = Field(ge=0, le=_INT64_MAX)
+    token_ids: list[int] = Field(default_factory=list)
+    token_offset: int = Field(default=UNKNOWN_TOKEN_OFFSET, ge=UNKNOWN_TOKEN_OFFSET, le=_INT64_MAX)
+
+
+class EventBatchModel(BaseModel):
+    """One batch from one instance."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    instance_id: str = Field(min_length=1)
+    incarnation: int = Field(ge=0, le=_INT64_MAX)
+    seq: int = Field(ge=1, le=_INT64_MAX)
+    event_type: EventType
+    tier: Tier
+    backend: str = ""
+    shared: bool = False
+    ts: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    capacity_bytes: Optional[int] = Field(default=None, ge=0, le=_INT64_MAX)
+    capacity_revision: Optional[int] = Field(default=None, ge=0, le=_INT64_MAX)
+    entries: list[EventEntryModel] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "EventBatchModel":
+        if not self.backend and self.event_type != "access":
+            raise ValueError(f"backend must not be empty for {self.event_type} events")
+        if self.event_type != "config" and (self.capacity_bytes is not None or self.capacity_revision is not None):
+            raise ValueError("capacity_bytes/capacity_revision are only allowed on config batches")
+        if self.event_type == "config" and self.entries:
+            raise ValueError("config batches carry no entries")
+        return self
+
+
+class EventRequestModel(BaseModel):
+    """``POST /events`` body."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    batches: list[EventBatchModel]

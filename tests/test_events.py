@@ -1,0 +1,326 @@
+"""Cache events: the wire shape, validation errors that name the field, and the gate."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pydantic
+import pytest
+
+from blendmatch.index.events import (
+    MAX_CACHE_SALT_CHARS,
+    Admission,
+    EventBatchModel,
+    EventRequest,
+    EventRequestModel,
+    EventValidationError,
+    IngestGate,
+    InstanceCursor,
+    KeyScope,
+    parse_event_batch,
+    parse_event_request,
+    wire_batch,
+    wire_entry,
+)
+from blendmatch.index.types import BlendNamespace, ObjectKey, pack_kv_rank
+
+
+def _entry(**over) -> dict:
+    entry = {"key": {"chunk_hash_hex": "00ff", "model_name": "m", "kv_rank": pack_kv_rank(2, 1)},
+             "size_bytes": 10}
+    for path, value in over.items():
+        target = entry
+        *parents, leaf = path.split("__")
+        for p in parents:
+            target = target[p]
+        if value is _DROP:
+            target.pop(leaf, None)
+        else:
+            target[leaf] = value
+    return entry
+
+
+def _batch(entries=(), **over) -> dict:
+    """A valid store batch (one entry unless ``entries`` is given), then ``over`` applied."""
+    batch = {"instance_id": "a", "incarnation": 0, "seq": 1, "event_type": "store", "tier": "l1",
+             "backend": "cpu", "entries": [_entry()] if entries == () else entries}
+    if entries is _DROP:
+        del batch["entries"]
+    for k, v in over.items():
+        if v is _DROP:
+            batch.pop(k, None)
+        else:
+            batch[k] = v
+    return batch
+
+
+_DROP = object()
+
+
+# ----------------------------------------------------------------------------- valid input
+
+
+def test_minimal_request_and_defaults():
+    req = parse_event_request({"batches": [_batch()]})
+    assert isinstance(req, EventRequest) and len(req.batches) == 1
+    b = req.batches[0]
+    assert (b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend) == ("a", 0, 1, "store", "l1", "cpu")
+    assert b.shared is False and b.ts == 0.0 and b.capacity_bytes is None
+    (h, scope, size, offset), = b.entries.items
+    assert h == b"\x00\xff" and size == 10 and offset == -1
+    assert scope == KeyScope("m", pack_kv_rank(2, 1), 0, "", BlendNamespace("m", "", 2))
+    assert b.entries.keys() == [ObjectKey(b"\x00\xff", "m", pack_kv_rank(2, 1))]
+    assert b.entries.tokens.row(0) is None
+    assert req.num_entries == 1
+
+
+def test_hex_either_case_and_scopes_are_interned():
+    entries = [_entry(key__chunk_hash_hex="ABcd"), _entry(key__chunk_hash_hex="abcd")]
+    req = parse_event_request({"batches": [_batch(entries)]})
+    (h1, s1, _, _), (h2, s2, _, _) = req.batches[0].entries.items
+    assert h1 == h2 == b"\xab\xcd"
+    assert s1 is s2
+
+
+def test_tokens_are_converted_in_bulk():
+    entries = [_entry(token_ids=[1, 2, 3], token_offset=0), _entry(), _entry(token_ids=[4, 5, 6])]
+    col = parse_event_request({"batches": [_batch(entries)]}).batches[0].entries.tokens
+    assert col.row(0).tolist() == [1, 2, 3] and col.row(1) is None and col.row(2).tolist() == [4, 5, 6]
+    assert col.row(0).dtype == np.uint32 and not col.row(0).flags.writeable
+    assert col.rows([0, 2]).tolist() == [[1, 2, 3], [4, 5, 6]]
+    uniform = parse_event_request({"batches": [_batch([_entry(token_ids=[1, 2]), _entry(token_ids=[3, 4])])]})
+    assert uniform.batches[0].entries.tokens.rows([1, 0]).tolist() == [[3, 4], [1, 2]]
+
+
+@pytest.mark.parametrize("tokens", [[1, -1], [2**32], [2**70, 1]])
+def test_token_ids_outside_uint32_are_valid_but_unfilled(tokens):
+    req = parse_event_request({"batches": [_batch([_entry(token_ids=[7]), _entry(token_ids=tokens)])]})
+    col = req.batches[0].entries.tokens
+    assert col.unfilled == [1] and col.row(1) is None and col.row(0).tolist() == [7]
+
+
+def test_config_batch_and_access_without_backend():
+    req = parse_event_request({"batches": [
+        _batch(entries=_DROP, event_type="config", capacity_bytes=5, capacity_revision=1),
+        _batch([], event_type="access", backend=_DROP, seq=2),
+    ]})
+    assert req.batches[0].capacity_bytes == 5 and len(req.batches[0].entries) == 0
+    assert req.batches[1].backend == ""
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    batch = _batch([_entry(extra=1, key__future="x")], newer_field=[1, 2])
+    assert len(parse_event_request({"batches": [batch], "meta": {}}).batches[0].entries) == 1
+
+
+def test_parsed_input_passes_through():
+    req = parse_event_request({"batches": [_batch()]})
+    assert parse_event_request(req) is req
+    assert parse_event_batch(req.batches[0]) is req.batches[0]
+
+
+def test_wire_helpers_round_trip():
+    batch = wire_batch("i", 3, "store", [wire_entry(b"\x01\x02", "m", token_ids=np.arange(4), token_offset=8,
+                                                    cache_salt="s", object_group_id=2, size_bytes=7)],
+                       tier="l2", backend="disk", shared=True, ts=1.5)
+    b = parse_event_request(json.loads(json.dumps({"batches": [batch]}))).batches[0]
+    assert (b.seq, b.tier, b.backend, b.shared, b.ts) == (3, "l2", "disk", True, 1.5)
+    assert b.entries.keys() == [ObjectKey(b"\x01\x02", "m", 1 << 24, 2, "s")]
+    assert b.entries.tokens.row(0).tolist() == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- invalid input
+
+BAD_BATCHES = [
+    # (overrides on the batch, field path)
+    (dict(instance_id=""), "instance_id"),
+    (dict(instance_id=_DROP), "instance_id"),
+    (dict(instance_id=5), "instance_id"),
+    (dict(incarnation=-1), "incarnation"),
+    (dict(incarnation=_DROP), "incarnation"),
+    (dict(incarnation=True), "incarnation"),
+    (dict(seq=0), "seq"),
+    (dict(seq=1.0), "seq"),
+    (dict(event_type="evict"), "event_type"),
+    (dict(event_type="STORE"), "event_type"),
+    (dict(tier="all"), "tier"),
+    (dict(tier="l3"), "tier"),
+    (dict(tier="L1"), "tier"),
+    (dict(tier=_DROP), "tier"),
+    (dict(backend=""), "backend"),
+    (dict(backend=_DROP), "backend"),
+    (dict(backend=None), "backend"),
+    (dict(shared="yes"), "shared"),
+    (dict(ts=-1), "ts"),
+    (dict(ts="now"), "ts"),
+    (dict(ts=float("inf")), "ts"),
+    (dict(capacity_bytes=5), "capacity_bytes"),
+    (dict(capacity_revision=1), "capacity_revision"),
+    (dict(event_type="config", capacity_bytes=-1, entries=[]), "capacity_bytes"),
+    (dict(event_type="config"), "entries"),
+    (dict(entries={}), "entries"),
+    (dict(entries=None), "entries"),
+]
+
+BAD_ENTRIES = [
+    # (overrides on the entry, field path below entries[1])
+    (dict(key=_DROP), "key"),
+    (dict(key="00ff"), "key"),
+    (dict(key__chunk_hash_hex=_DROP), "key.chunk_hash_hex"),
+    (dict(key__chunk_hash_hex=""), "key.chunk_hash_hex"),
+    (dict(key__chunk_hash_hex="abc"), "key.chunk_hash_hex"),
+    (dict(key__chunk_hash_hex="zz"), "key.chunk_hash_hex"),
+    (dict(key__chunk_hash_hex="ab cd"), "key.chunk_hash_hex"),
+    (dict(key__chunk_hash_hex="0x00"), "key.chunk_hash_hex"),
+    (dict(key__chunk_hash_hex="ab" * 129), "key.chunk_hash_hex"),
+    (dict(key__chunk_hash_hex=12), "key.chunk_hash_hex"),
+    (dict(key__model_name=_DROP), "key.model_name"),
+    (dict(key__model_name=""), "key.model_name"),
+    (dict(key__model_name="llama@8b"), "key.model_name"),
+    (dict(key__model_name=7), "key.model_name"),
+    (dict(key__kv_rank=_DROP), "key.kv_rank"),
+    (dict(key__kv_rank=-1), "key.kv_rank"),
+    (dict(key__kv_rank=2**32), "key.kv_rank"),
+    (dict(key__kv_rank=True), "key.kv_rank"),
+    (dict(key__kv_rank=1.0), "key.kv_rank"),
+    (dict(key__object_group_id=-1), "key.object_group_id"),
+    (dict(key__object_group_id="0"), "key.object_group_id"),
+    (dict(key__cache_salt="a@b"), "key.cache_salt"),
+    (dict(key__cache_salt="a/b"), "key.cache_salt"),
+    (dict(key__cache_salt="a\\b"), "key.cache_salt"),
+    (dict(key__cache_salt="a\x00b"), "key.cache_salt"),
+    (dict(key__cache_salt="s" * (MAX_CACHE_SALT_CHARS + 1)), "key.cache_salt"),
+    (dict(key__cache_salt=None), "key.cache_salt"),
+    (dict(size_bytes=_DROP), "size_bytes"),
+    (dict(size_bytes=-1), "size_bytes"),
+    (dict(size_bytes=1.5), "size_bytes"),
+    (dict(token_offset=-2), "token_offset"),
+    (dict(token_offset="0"), "token_offset"),
+    (dict(token_offset=2**63), "token_offset"),
+    (dict(token_ids="1,2"), "token_ids"),
+    (dict(token_ids=None), "token_ids"),
+    (dict(token_ids=[1, 2.5]), "token_ids[1]"),
+    (dict(token_ids=[1, "2"]), "token_ids[1]"),
+    (dict(token_ids=[None]), "token_ids[0]"),
+    (dict(token_ids=[[1]]), "token_ids[0]"),
+]
+
+
+@pytest.mark.parametrize("over, field", BAD_BATCHES)
+def test_bad_batch_field_is_named(over, field):
+    with pytest.raises(EventValidationError) as err:
+        parse_event_request({"batches": [_batch(), _batch(**over)]})
+    assert err.value.field == f"batches[1].{field}"
+    assert err.value.loc[:2] == ("batches", 1)
+    assert str(err.value).startswith(f"batches[1].{field}: ")
+    assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("over, field", BAD_ENTRIES)
+def test_bad_entry_field_is_named(over, field):
+    with pytest.raises(EventValidationError) as err:
+        parse_event_request({"batches": [_batch([_entry(), _entry(**over)])]})
+    assert err.value.field == f"batches[0].entries[1].{field}"
+
+
+@pytest.mark.parametrize("payload, field", [
+    ([], ""), ({}, "batches"), ({"batches": {}}, "batches"), ({"batches": [3]}, "batches[0]"),
+    ({"batches": [_batch(entries=[5])]}, "batches[0].entries[0]"),
+])
+def test_bad_request_shape(payload, field):
+    with pytest.raises(EventValidationError) as err:
+        parse_event_request(payload)
+    assert err.value.field == field
+
+
+def test_parse_event_batch_prefixes_its_location():
+    with pytest.raises(EventValidationError) as err:
+        parse_event_batch(_batch(seq=0), loc=("partition", 3))
+    assert err.value.field == "partition[3].seq"
+
+
+def test_validation_does_not_depend_on_what_was_seen_before():
+    """The fast path caches validated key scopes; a bad value must still be caught after a
+    good one with an equal hash (True == 1, 1.0 == 1)."""
+    good = _entry(key__kv_rank=1)
+    parse_event_request({"batches": [_batch([good])]})
+    for bad in (True, 1.0):
+        with pytest.raises(EventValidationError, match="kv_rank"):
+            parse_event_request({"batches": [_batch([good, _entry(key__kv_rank=bad)])]})
+
+
+# ----------------------------------------------------------------------------- schema agreement
+
+
+def _corpus() -> list[tuple[dict, bool]]:
+    """Requests the fast validator and the pydantic models must judge alike."""
+    out: list[tuple[dict, bool]] = [({"batches": [_batch()]}, True),
+                                    ({"batches": [_batch([_entry(token_ids=[1, 2**40], token_offset=3)])]}, True),
+                                    ({"batches": [_batch(entries=[], event_type="access", backend="")]}, True),
+                                    ({"batches": []}, True)]
+    for over, _ in BAD_BATCHES:
+        out.append(({"batches": [_batch(**over)]}, False))
+    for over, _ in BAD_ENTRIES:
+        out.append(({"batches": [_batch([_entry(**over)])]}, False))
+    return out
+
+
+@pytest.mark.parametrize("payload, valid", _corpus())
+def test_fast_validator_agrees_with_the_schema_models(payload, valid):
+    payload = copy.deepcopy(payload)
+    try:
+        parse_event_request(payload)
+        fast_ok = True
+    except EventValidationError:
+        fast_ok = False
+    try:
+        EventRequestModel.model_validate(payload)
+        model_ok = True
+    except pydantic.ValidationError:
+        model_ok = False
+    assert fast_ok is valid
+    assert model_ok is valid
+
+
+def test_schema_models_publish_a_json_schema():
+    schema = EventRequestModel.model_json_schema()
+    assert "batches" in schema["properties"]
+    assert EventBatchModel.model_json_schema()["properties"]["tier"]["enum"] == ["l1", "l2"]
+
+
+# ----------------------------------------------------------------------------- gate
+
+
+def test_gate_orders_batches_per_instance():
+    g = IngestGate()
+    assert g.admit("a", 0, 1) is Admission.APPLY
+    assert g.admit("a", 0, 2) is Admission.APPLY
+    assert g.admit("a", 0, 2) is Admission.DUPLICATE
+    assert g.admit("a", 0, 1) is Admission.DUPLICATE
+    assert g.admit("b", 0, 1) is Admission.APPLY  # instances are independent
+    assert g.cursor("a") == InstanceCursor(0, 2)
+    assert g.counters() == {"applied": 3, "duplicates": 2, "stale": 0, "gaps": 0, "missed": 0, "fences": 0}
+
+
+def test_gate_incarnations():
+    g = IngestGate()
+    g.admit("a", 1, 10)
+    assert g.admit("a", 0, 99) is Admission.STALE
+    assert g.admit("a", 2, 1) is Admission.FENCE_AND_APPLY
+    assert g.cursor("a") == InstanceCursor(2, 1)
+    assert g.admit("a", 1, 11) is Admission.STALE
+    assert g.admit("a", 2, 1) is Admission.DUPLICATE
+    assert g.counters()["stale"] == 2 and g.counters()["fences"] == 1
+
+
+def test_gate_admits_and_counts_gaps():
+    g = IngestGate()
+    g.admit("a", 0, 1)
+    assert g.admit("a", 0, 4) is Admission.APPLY
+    assert g.admit("a", 0, 3) is Admission.DUPLICATE  # arrived after its successor
+    assert g.counters()["gaps"] == 1 and g.counters()["missed"] == 2
+    assert g.admit("a", 1, 3) is Admission.FENCE_AND_APPLY  # a restart that skipped 1..2
+    assert g.counters()["gaps"] == 2 and g.counters()["missed"] == 4
+    assert g.cursors() == {"a": InstanceCursor(1, 3)}

@@ -1,0 +1,469 @@
+"""KeyDirectory: every row of the lifecycle (DESIGN.md section 6), the gate, placements,
+fencing, namespaces, reads, memory sharing with the index, and all-or-nothing requests."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from blendmatch.index.events import EventValidationError, wire_batch, wire_entry
+from blendmatch.index.key_directory import (
+    SHARED_POOL_INSTANCE,
+    ApplyCounts,
+    BlendLookupDisabled,
+    KeyDirectory,
+    KeyPlacements,
+    Placement,
+)
+from blendmatch.index.types import BlendMatch, BlendNamespace, ObjectKey, pack_kv_rank
+
+C = 4
+WS1 = pack_kv_rank(1)
+NS = BlendNamespace("m", "", 1)
+X = [1, 2, 3, 4]
+Y = [5, 6, 7, 8]
+
+
+def H(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+class Feed:
+    """Sends batches to a directory with per-instance sequence numbers."""
+
+    def __init__(self, d: KeyDirectory) -> None:
+        self.d = d
+        self.seq: dict[str, int] = {}
+
+    def send(self, kind: str, inst: str, *entries: dict, incarnation: int = 0, **kw) -> ApplyCounts:
+        self.seq[inst] = self.seq.get(inst, 0) + 1
+        return self.d.apply({"batches": [wire_batch(inst, self.seq[inst], kind, list(entries),
+                                                    incarnation=incarnation, **kw)]})
+
+    def store(self, inst: str, *entries: dict, **kw) -> ApplyCounts:
+        return self.send("store", inst, *entries, **kw)
+
+    def delete(self, inst: str, *entries: dict, **kw) -> ApplyCounts:
+        return self.send("delete", inst, *entries, **kw)
+
+
+def E(i: int, tokens=None, offset: int = -1, model: str = "m", kv_rank: int = WS1, salt: str = "",
+      group: int = 0, size: int = 100) -> dict:
+    return wire_entry(H(i), model, kv_rank, object_group_id=group, cache_salt=salt, size_bytes=size,
+                      token_ids=tokens, token_offset=offset)
+
+
+@pytest.fixture
+def d() -> KeyDirectory:
+    directory = KeyDirectory()
+    directory.enable_blend_lookup(chunk_size=C, probe_stride=1, engine="reference")
+    return directory
+
+
+@pytest.fixture
+def feed(d: KeyDirectory) -> Feed:
+    return Feed(d)
+
+
+def hits(d: KeyDirectory, tokens, ns: BlendNamespace = NS) -> list[tuple[bytes, int, int]]:
+    return [(m.chunk_hash, m.old_st, m.cur_st) for m in d.blend_match(tokens, ns)]
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def test_first_content_claims_for_every_keys_namespace(d, feed):
+    other = BlendNamespace("n", "", 1)
+    feed.store("a", E(1), E(1, model="n"))  # two keys, no content yet
+    assert hits(d, X) == [] and hits(d, X, other) == []
+    feed.store("a", E(1, X, offset=8))
+    assert hits(d, X) == [(H(1), 8, 0)]
+    assert hits(d, X, other) == [(H(1), 8, 0)]
+
+
+def test_key_joining_a_binding_with_content_claims_without_tokens(d, feed):
+    ws2 = BlendNamespace("m", "", 2)
+    feed.store("a", E(1, X, offset=0))
+    assert hits(d, X, ws2) == []
+    feed.store("b", E(1, kv_rank=pack_kv_rank(2, 1)))  # no tokens on this STORE
+    assert hits(d, X, ws2) == [(H(1), 0, 0)]
+
+
+def test_identical_content_updates_the_offset(d, feed):
+    feed.store("a", E(1, X, offset=0))
+    feed.store("a", E(1, X, offset=12))
+    assert hits(d, X) == [(H(1), 12, 0)]
+
+
+def test_unknown_offset_never_downgrades_a_known_one(d, feed):
+    feed.store("a", E(1, X, offset=12))
+    feed.store("b", E(1, X, offset=-1))
+    assert hits(d, X) == [(H(1), 12, 0)]
+    assert d.get_token_offset(H(1)) == 12
+
+
+def test_unknown_offset_is_never_matchable_until_known(d, feed):
+    feed.store("a", E(1, X, offset=-1))
+    assert hits(d, X) == []
+    assert d.get_token_ids([H(1)])[0].tolist() == X  # bound, just not offered
+    feed.store("a", E(1, X, offset=4))
+    assert hits(d, X) == [(H(1), 4, 0)]
+
+
+def test_different_content_retires_the_old_fingerprint_for_every_namespace(d, feed):
+    other = BlendNamespace("n", "", 1)
+    feed.store("a", E(1, X, offset=0), E(1, model="n"))
+    assert hits(d, X) and hits(d, X, other)
+    feed.store("a", E(1, Y, offset=4))
+    for ns in (NS, other):
+        assert hits(d, X, ns) == []
+        assert hits(d, Y, ns) == [(H(1), 4, 0)]
+    assert d.blend_index.stats()["num_contents"] == 1
+
+
+def test_different_content_takes_its_own_offset(d, feed):
+    feed.store("a", E(1, X, offset=8))
+    feed.store("a", E(1, Y, offset=-1))  # the old offset belongs to the old content
+    assert hits(d, Y) == [] and d.get_token_offset(H(1)) == -1
+
+
+def test_claim_goes_with_the_last_key_of_its_namespace_any_rank_or_group(d, feed):
+    ws2 = BlendNamespace("m", "", 2)
+    feed.store("a", E(1, X, offset=0, kv_rank=pack_kv_rank(2, 0)), E(1, kv_rank=pack_kv_rank(2, 1)),
+               E(1, kv_rank=pack_kv_rank(2, 1), group=3))
+    feed.delete("a", E(1, kv_rank=pack_kv_rank(2, 0)))
+    feed.delete("a", E(1, kv_rank=pack_kv_rank(2, 1)))
+    assert hits(d, X, ws2) == [(H(1), 0, 0)]  # the group-3 key still claims
+    feed.delete("a", E(1, kv_rank=pack_kv_rank(2, 1), group=3))
+    assert hits(d, X, ws2) == []
+    assert d.blend_index.stats()["num_chunks"] == 0
+    assert d.get_token_ids([H(1)]) == [None]  # the binding died with its last key
+
+
+def test_claim_goes_per_namespace_other_namespaces_keep_theirs(d, feed):
+    other = BlendNamespace("n", "", 1)
+    feed.store("a", E(1, X, offset=0), E(1, model="n"))
+    feed.delete("a", E(1))
+    assert hits(d, X) == []
+    assert hits(d, X, other) == [(H(1), 0, 0)]
+
+
+def test_key_lives_while_any_placement_remains(d, feed):
+    feed.store("a", E(1, X, offset=0), tier="l1", backend="cpu")
+    feed.store("a", E(1), tier="l2", backend="disk")
+    feed.delete("a", E(1), tier="l1", backend="cpu")
+    assert hits(d, X) == [(H(1), 0, 0)]
+    feed.delete("a", E(1), tier="l2", backend="disk")
+    assert hits(d, X) == []
+
+
+def test_fencing_drops_l1_and_the_claims_of_keys_left_without_placements(d, feed):
+    feed.store("a", E(1, X, offset=0))  # L1 only
+    feed.store("a", E(2, Y, offset=4))
+    feed.store("a", E(2), tier="l2", backend="disk")  # E(2) also on L2
+    result = d.fence_instance("a")
+    assert result.placements == 2 and result.keys == 1
+    assert hits(d, X) == []
+    assert hits(d, Y) == [(H(2), 4, 0)]
+    assert d.lookup([ObjectKey(H(2), "m", WS1)]) == [(Placement("a", 0, "l2", "disk", 100, False),)]
+    assert d.stats()["l1_keys_per_instance"] == {}
+    assert d.fence_instance("a") == (0, 0)  # idempotent
+
+
+def test_fencing_leaves_other_instances_alone(d, feed):
+    feed.store("a", E(1, X, offset=0))
+    feed.store("b", E(1))
+    d.fence_instance("a")
+    assert hits(d, X) == [(H(1), 0, 0)]
+    assert d.stats()["l1_keys_per_instance"] == {"b": 1}
+
+
+def test_stores_before_enabling_are_not_back_filled():
+    d = KeyDirectory()
+    feed = Feed(d)
+    feed.store("a", E(1, X, offset=0))
+    with pytest.raises(BlendLookupDisabled):
+        d.blend_match(X, NS)
+    d.enable_blend_lookup(chunk_size=C, probe_stride=1, engine="reference")
+    assert hits(d, X) == []
+    feed.store("b", E(1, model="n"))  # a key joining a pre-enable binding: still not indexed
+    assert hits(d, X, BlendNamespace("n", "", 1)) == []
+    feed.store("a", E(1, X, offset=-1))  # the content again, after enabling: now indexed
+    assert hits(d, X) == [(H(1), 0, 0)]
+    assert hits(d, X, BlendNamespace("n", "", 1)) == [(H(1), 0, 0)]
+
+
+def test_token_ids_outside_uint32_leave_the_binding_unfilled(d, feed, caplog):
+    with caplog.at_level(logging.WARNING, logger="blendmatch.index.key_directory"):
+        counts = feed.store("a", E(1, [1, 2, 3, 2**32], offset=0), E(2, [-1, 2, 3, 4], offset=0))
+    assert counts == ApplyCounts(1, 0, 0)
+    assert "outside" in caplog.text
+    assert d.get_token_ids([H(1), H(2)]) == [None, None]
+    assert d.lookup([ObjectKey(H(1), "m", WS1)])[0]  # the placement is applied
+    assert d.stats()["events"]["entries_unfilled"] == 2
+
+
+def test_unfilled_store_keeps_existing_content_and_still_claims(d, feed):
+    feed.store("a", E(1, X, offset=0))
+    feed.store("b", E(1, [2**40] * C, offset=4, model="n"))
+    assert d.get_token_ids([H(1)])[0].tolist() == X
+    assert hits(d, X, BlendNamespace("n", "", 1)) == [(H(1), 0, 0)]  # joined; offset unchanged
+
+
+def test_content_of_the_wrong_length_is_bound_but_not_indexed(d, feed):
+    feed.store("a", E(1, [1, 2, 3, 4, 5], offset=0))
+    assert d.get_token_ids([H(1)])[0].tolist() == [1, 2, 3, 4, 5]
+    assert hits(d, [1, 2, 3, 4, 5]) == []
+    assert d.blend_index.stats()["num_chunks"] == 0
+
+
+# ----------------------------------------------------------------------------- namespaces
+
+
+@pytest.mark.parametrize("stored, query, expect", [
+    (dict(), NS, True),
+    (dict(salt="s"), NS, False),
+    (dict(), BlendNamespace("m", "s", 1), False),
+    (dict(salt="s"), BlendNamespace("m", "s", 1), True),
+    (dict(model="n"), NS, False),
+    (dict(), BlendNamespace("n", "", 1), False),
+    (dict(kv_rank=pack_kv_rank(2)), NS, False),
+    (dict(), BlendNamespace("m", "", 2), False),
+    (dict(kv_rank=pack_kv_rank(2, 1, 2, 1)), BlendNamespace("m", "", 2), True),
+])
+def test_namespace_isolation(d, feed, stored, query, expect):
+    feed.store("a", E(1, X, offset=0, **stored))
+    assert bool(hits(d, X, query)) is expect
+
+
+def test_same_content_two_namespaces_each_sees_its_own_chunk(d, feed):
+    feed.store("a", E(1, X, offset=0), E(2, X, offset=8, salt="s"))
+    assert hits(d, X) == [(H(1), 0, 0)]
+    assert hits(d, X, BlendNamespace("m", "s", 1)) == [(H(2), 8, 0)]
+
+
+# ----------------------------------------------------------------------------- gate
+
+
+def test_duplicate_batches_are_dropped(d):
+    batch = wire_batch("a", 1, "store", [E(1, X, offset=0)])
+    assert d.apply({"batches": [batch]}) == (1, 0, 0)
+    assert d.apply({"batches": [batch, wire_batch("a", 1, "delete", [E(1)])]}) == (0, 2, 0)
+    assert hits(d, X) == [(H(1), 0, 0)]
+
+
+def test_stale_incarnation_is_dropped(d):
+    d.apply({"batches": [wire_batch("a", 1, "store", [E(1, X, offset=0)], incarnation=2)]})
+    assert d.apply({"batches": [wire_batch("a", 9, "delete", [E(1)], incarnation=1)]}) == (0, 0, 1)
+    assert hits(d, X) == [(H(1), 0, 0)]
+    assert d.stats()["events"]["stale"] == 1
+
+
+def test_higher_incarnation_fences_l1_then_applies(d):
+    d.apply({"batches": [wire_batch("a", 5, "store", [E(1, X, offset=0), E(2, Y, offset=0)])]})
+    d.apply({"batches": [wire_batch("a", 6, "store", [E(2)], tier="l2", backend="disk")]})
+    counts = d.apply({"batches": [wire_batch("a", 1, "store", [E(3, [9, 9, 9, 9], offset=0)], incarnation=1)]})
+    assert counts == (1, 0, 0)
+    assert hits(d, X) == []  # fenced: L1 only
+    assert hits(d, Y) == [(H(2), 0, 0)]  # kept: on L2
+    assert hits(d, [9, 9, 9, 9]) == [(H(3), 0, 0)]  # the new incarnation's batch applied
+    stats = d.stats()
+    assert stats["instances"]["a"] == {"incarnation": 1, "last_seq": 1}
+    assert stats["events"]["fences"] == 1
+    assert stats["l1_keys_per_instance"] == {"a": 1}
+
+
+def test_gaps_are_admitted_and_counted(d, caplog):
+    d.apply({"batches": [wire_batch("a", 1, "store", [E(1, X, offset=0)])]})
+    with caplog.at_level(logging.WARNING):
+        assert d.apply({"batches": [wire_batch("a", 5, "store", [E(2, Y, offset=0)])]}) == (1, 0, 0)
+    assert "gap" in caplog.text
+    assert hits(d, Y) == [(H(2), 0, 0)]
+    events = d.stats()["events"]
+    assert events["gaps"] == 1 and events["missed"] == 3
+
+
+def test_an_invalid_batch_rejects_the_whole_request(d):
+    good = wire_batch("a", 1, "store", [E(1, X, offset=0)])
+    bad = wire_batch("a", 2, "store", [E(2, Y, offset=0), E(3, offset=-2)])
+    with pytest.raises(EventValidationError) as err:
+        d.apply({"batches": [good, bad]})
+    assert err.value.field == "batches[1].entries[1].token_offset"
+    assert d.stats()["keys"] == 0 and d.stats()["instances"] == {}
+    assert hits(d, X) == []
+    assert d.apply({"batches": [good]}) == (1, 0, 0)  # the gate saw nothing of it
+
+
+def test_apply_batch_is_the_log_transport_entry_point(d):
+    assert d.apply_batch(wire_batch("a", 1, "store", [E(1, X, offset=0)])) == (1, 0, 0)
+    assert d.apply_batch(wire_batch("a", 1, "store", [E(1, X, offset=0)])) == (0, 1, 0)
+
+
+def test_access_and_config_batches(d):
+    counts = d.apply({"batches": [
+        wire_batch("a", 1, "access", [E(1)], backend=""),
+        wire_batch("a", 2, "config", [], backend="cpu", capacity_bytes=1 << 30, capacity_revision=3),
+        wire_batch("a", 3, "config", [], backend="cpu", capacity_bytes=1 << 20, capacity_revision=2),
+    ]})
+    assert counts == (3, 0, 0)
+    stats = d.stats()
+    assert stats["keys"] == 0 and stats["events"]["entries_accessed"] == 1
+    assert stats["capacity"] == [{"instance_id": "a", "tier": "l1", "backend": "cpu",
+                                  "capacity_bytes": 1 << 30, "capacity_revision": 3}]
+
+
+# ----------------------------------------------------------------------------- placements
+
+
+def test_shared_pool_placements_are_deduplicated_across_reporters(d, feed):
+    feed.store("a", E(1, X, offset=0, size=10), tier="l2", backend="redis", shared=True)
+    feed.store("b", E(1, size=11), tier="l2", backend="redis", shared=True)
+    assert d.lookup([ObjectKey(H(1), "m", WS1)]) == [
+        (Placement(SHARED_POOL_INSTANCE, 0, "l2", "redis", 11, True),)]
+    assert d.stats()["placements"] == 1
+    feed.delete("b", E(1), tier="l2", backend="redis", shared=True)  # any reporter drops it
+    assert d.lookup([ObjectKey(H(1), "m", WS1)]) == [()]
+    assert hits(d, X) == []
+
+
+def test_fencing_keeps_shared_pool_placements_even_in_l1(d, feed):
+    feed.store("a", E(1, X, offset=0), tier="l1", backend="pool", shared=True)
+    d.fence_instance("a")
+    assert hits(d, X) == [(H(1), 0, 0)]
+
+
+def test_private_placements_are_per_instance(d, feed):
+    feed.store("b", E(1, size=5), tier="l2", backend="disk")
+    feed.store("a", E(1, size=7), tier="l1", backend="cpu")
+    feed.store("a", E(1, size=8), tier="l1", backend="cpu")  # replaces a's own placement
+    feed.store("a", E(1, size=9), tier="l2", backend="disk")
+    assert d.lookup([ObjectKey(H(1), "m", WS1)]) == [(
+        Placement("a", 0, "l1", "cpu", 8, False),
+        Placement("a", 0, "l2", "disk", 9, False),
+        Placement("b", 0, "l2", "disk", 5, False),
+    )]
+    assert d.stats()["placements"] == 3
+
+
+def test_lookup_keeps_request_order_and_answers_unknown_keys_empty(d, feed):
+    feed.store("a", E(1), E(2, model="n"))
+    keys = [ObjectKey(H(2), "n", WS1), ObjectKey(H(9), "m", WS1), ObjectKey(H(1), "m", WS1),
+            ObjectKey(H(1), "m", WS1, cache_salt="s")]
+    got = d.lookup(keys)
+    assert [len(p) for p in got] == [1, 0, 1, 0]
+
+
+def test_list_keys_filters_and_paginates(d, feed):
+    feed.store("a", E(1), E(2), E(3), backend="cpu")
+    feed.store("b", E(2), tier="l2", backend="disk")
+    everything = d.list_keys(limit=None)
+    assert [kp.key.chunk_hash for kp in everything] == [H(1), H(2), H(3)]
+    assert isinstance(everything[0], KeyPlacements)
+    on_b = d.list_keys(instance_id="b")
+    assert [(kp.key.chunk_hash, kp.placements) for kp in on_b] == [
+        (H(2), (Placement("b", 0, "l2", "disk", 100, False),))]
+    assert [kp.key.chunk_hash for kp in d.list_keys(tier="l1", offset=1, limit=1)] == [H(2)]
+    assert d.list_keys(backend="nope") == [] and d.list_keys(limit=0) == []
+    with pytest.raises(ValueError, match="tier"):
+        d.list_keys(tier="all")
+    with pytest.raises(ValueError, match="offset"):
+        d.list_keys(offset=-1)
+
+
+def test_stats_shape(d, feed):
+    feed.store("a", E(1, X, offset=0), E(2))
+    stats = d.stats()
+    assert stats["keys"] == 2 and stats["placements"] == 2 and stats["chunk_hashes"] == 2
+    assert stats["token_bindings"] == 1
+    assert stats["l1_keys_per_instance"] == {"a": 2}
+    assert stats["blend_lookup_enabled"] is True
+    assert stats["blend_index"]["num_chunks"] == 1
+    assert KeyDirectory().stats()["blend_index"] is None
+
+
+# ----------------------------------------------------------------------------- reads, memory, threads
+
+
+def test_get_token_ids_returns_copies(d, feed):
+    feed.store("a", E(1, X, offset=0))
+    tokens = d.get_token_ids([H(1), H(7)])
+    assert tokens[0].dtype == np.uint32 and tokens[1] is None
+    tokens[0][0] = 99  # the caller owns its copy
+    assert d.get_token_ids([H(1)])[0].tolist() == X
+
+
+def test_directory_shares_the_index_token_row(d, feed):
+    feed.store("a", E(1, X, offset=0), E(2, Y, offset=-1))
+    index_blocks = d.blend_index._tokens._py_blocks
+    indexed = d._bindings[H(1)].tokens
+    assert not indexed.flags.writeable
+    assert any(np.shares_memory(indexed, block) for block in index_blocks)
+    private = d._bindings[H(2)].tokens  # not indexed (offset unknown): a private copy
+    assert not any(np.shares_memory(private, block) for block in index_blocks)
+    assert private.base is None or private.flags.owndata or private.base.size == C
+
+
+def test_unindexed_content_never_pins_the_batch_buffer(d, feed):
+    """Content kept privately is a copy, on the bulk path and on the entry-by-entry one."""
+    feed.store("a", E(1, X, offset=-1))  # bulk path (new, distinct hashes)
+    feed.store("a", E(2), E(2, Y, offset=-1))  # entry by entry (repeated hash)
+    feed.store("a", E(1, [7, 7, 7, 7, 7], offset=0))  # existing binding, new content of the wrong length
+    for h in (H(1), H(2)):
+        tokens = d._bindings[h].tokens
+        assert tokens.base is None and not tokens.flags.writeable
+
+
+def test_enable_twice_is_an_error(d):
+    with pytest.raises(RuntimeError, match="already"):
+        d.enable_blend_lookup(chunk_size=C)
+
+
+def test_blend_match_batch(d, feed):
+    feed.store("a", E(1, X, offset=0), E(2, Y, offset=4))
+    out = d.blend_match_batch([(X + Y, NS), (Y, BlendNamespace("n", "", 1))])
+    assert out == [[BlendMatch(H(1), 0, 0), BlendMatch(H(2), 4, 4)], []]
+
+
+def test_batch_with_repeated_chunk_hashes_is_applied_in_order(d):
+    d.apply({"batches": [wire_batch("a", 1, "store", [
+        E(1, X, offset=0), E(1, Y, offset=4), E(1, kv_rank=pack_kv_rank(2)), E(1, Y, offset=8)])]})
+    assert hits(d, X) == []
+    assert hits(d, Y) == [(H(1), 8, 0)]
+    assert hits(d, Y, BlendNamespace("m", "", 2)) == [(H(1), 8, 0)]
+
+
+def test_concurrent_ingest_and_lookup():
+    d = KeyDirectory()
+    d.enable_blend_lookup(chunk_size=C, probe_stride=1, engine="reference")
+    errors: list[BaseException] = []
+
+    def writer(inst: str) -> None:
+        try:
+            for s in range(1, 40):
+                entries = [E(1000 * ord(inst) + 10 * s + k, [s, k, ord(inst), 1], offset=0) for k in range(5)]
+                d.apply({"batches": [wire_batch(inst, s, "store", entries)]})
+                if s % 5 == 0:
+                    d.fence_instance(inst)
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for s in range(1, 60):
+                for m in d.blend_match([s % 39 + 1, 2, ord("a"), 1], NS):
+                    assert m.old_st == 0
+                d.stats()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in "ab"] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    stats = d.stats()
+    assert stats["blend_index"]["num_chunks"] == stats["token_bindings"] == stats["keys"]
