@@ -18,25 +18,6 @@ from .types import (
     world_size_of_kv_rank,
 )
 
-__all__ = [
-    "BlendIndex",
-    "BlendMatch",
-    "BlendNamespace",
-    "DEFAULT_CHUNK_SIZE",
-    "MatchStats",
-    "ObjectKey",
-    "SlotArray",
-    "UNKNOWN_TOKEN_OFFSET",
-    "chunk_fingerprint",
-    "chunk_fingerprints",
-    "pack_kv_rank",
-    "prefix_fingerprints",
-    "rolling_fingerprints",
-    "unpack_kv_rank",
-    "world_size_of_kv_rank",
-]
-
-# Key directory exports are appended below by the directory module's author.
 from .events import (
     EventBatch,
     EventRequest,
@@ -58,10 +39,13 @@ from .key_directory import (
     Placement,
 )
 
-__all__ += [
-    "SHARED_POOL_INSTANCE",
+__all__ = [
     "ApplyCounts",
+    "BlendIndex",
     "BlendLookupDisabled",
+    "BlendMatch",
+    "BlendNamespace",
+    "DEFAULT_CHUNK_SIZE",
     "EventBatch",
     "EventRequest",
     "EventRequestModel",
@@ -70,9 +54,21 @@ __all__ += [
     "IngestGate",
     "KeyDirectory",
     "KeyPlacements",
+    "MatchStats",
+    "ObjectKey",
     "Placement",
+    "SHARED_POOL_INSTANCE",
+    "SlotArray",
+    "UNKNOWN_TOKEN_OFFSET",
+    "chunk_fingerprint",
+    "chunk_fingerprints",
+    "pack_kv_rank",
     "parse_event_batch",
     "parse_event_request",
+    "prefix_fingerprints",
+    "rolling_fingerprints",
+    "unpack_kv_rank",
     "wire_batch",
     "wire_entry",
+    "world_size_of_kv_rank",
 ]
