@@ -23,6 +23,7 @@ only after a real trial launch succeeds, else the CPU engine).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -36,6 +37,7 @@ __all__ = [
     "EngineUnavailable",
     "EngineFailure",
     "SlotSource",
+    "SlotChanges",
     "SlotChangesLike",
     "select_engine",
     "ENGINE_NAMES",
@@ -59,13 +61,26 @@ class EngineFailure(EngineError):
     """The engine failed at run time (device lost, out of memory); the batch is retryable."""
 
 
-class SlotChangesLike(Protocol):
+@dataclass(frozen=True)
+class SlotChanges:
+    """What an engine needs to bring its slot mirror to ``(generation, version)``.
+
+    ``full`` -> upload ``table`` whole; otherwise apply ``slots``/``values`` in order (later
+    writes to the same slot win). ``table`` is the live host array: read, never write.
+    Defined here, beside the protocol, so that ``index.slots`` and the engines' own test
+    sources build the same type.
+    """
+
     generation: int
     version: int
     full: bool
     table: np.ndarray
     slots: np.ndarray
     values: np.ndarray
+
+
+#: Older name of :class:`SlotChanges`, kept for the engines' annotations.
+SlotChangesLike = SlotChanges
 
 
 @runtime_checkable

@@ -52,7 +52,7 @@ import numpy as np
 from blendmatch.index.fingerprint import TAG_SHARED, power_tables, prefix_fingerprints, slots_and_tags
 
 from .batch import Candidates, QueryBatch
-from .engine import EngineError, EngineFailure, SlotChangesLike, SlotSource
+from .engine import EngineError, EngineFailure, SlotChanges, SlotChangesLike, SlotSource
 
 __all__ = [
     "TIMING_KEYS",
@@ -343,14 +343,7 @@ class TrialSlots:
     engines must be exercised on their own. Writes apply in order (last write wins).
     """
 
-    @dataclass(frozen=True)
-    class Changes:
-        generation: int
-        version: int
-        full: bool
-        table: np.ndarray
-        slots: np.ndarray
-        values: np.ndarray
+    Changes = SlotChanges
 
     def __init__(self, table: np.ndarray) -> None:
         self.table = check_table(np.array(table, dtype=np.uint8, copy=True))

@@ -30,13 +30,14 @@ are atomic and a rebuild swaps in a new array, so a probe sees either state of e
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Literal
 
 import numba
 import numpy as np
 
-from .fingerprint import TAG_EMPTY, TAG_SHARED, mix64_scalar, tag_of_mixed
+from blendmatch.gpu.engine import SlotChanges
+
+from .fingerprint import mix64_scalar, tag_of_mixed
 
 __all__ = ["FilterMode", "SlotArray", "SlotChanges", "MIN_TABLE_SIZE", "LOAD_RATIO"]
 
@@ -52,22 +53,6 @@ LOAD_RATIO = 16
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class SlotChanges:
-    """What an engine needs to bring its mirror to ``(generation, version)``.
-
-    ``full`` -> upload ``table`` whole; otherwise apply ``slots``/``values`` in order (later
-    writes to the same slot win). ``table`` is the live host array: read, never write.
-    """
-
-    generation: int
-    version: int
-    full: bool
-    table: np.ndarray
-    slots: np.ndarray
-    values: np.ndarray
 
 
 @numba.njit(cache=True, nogil=True)
