@@ -53,7 +53,7 @@ def engine_params() -> list:
     """pytest params for every engine (GPU ones marked ``gpu``)."""
     params = [
         pytest.param(lambda: ReferenceEngine(reason="test"), id="reference"),
-        pytest.param(lambda: CpuEngine(reason="test", item_windows=97), id="cpu-small-items"),
+        pytest.param(lambda: CpuEngine(reason="test", item_windows=97, parallel_min_windows=0), id="cpu-small-items"),
         pytest.param(lambda: CpuEngine(reason="test"), id="cpu"),
         # The GPU engine's array algorithm and slot mirror, on numpy: always runs.
         pytest.param(lambda: XpEngine(np, reason="test"), id="xp-numpy"),
