@@ -57,6 +57,7 @@ __all__ = ["BlendIndex", "MatchStats"]
 
 log = logging.getLogger(__name__)
 
+_BYTES_ONLY = {bytes}
 _NONE = -1  # end of a linked list
 _FREE = -2  # c_occ of a free content row
 
@@ -215,7 +216,7 @@ class BlendIndex:
         n = arr.shape[0]
         if len(chunk_hashes) != n:
             raise ValueError(f"chunk_hashes has {len(chunk_hashes)} entries for {n} token rows")
-        if not all(type(h) is bytes for h in chunk_hashes):
+        if not set(map(type, chunk_hashes)) <= _BYTES_ONLY:
             for h in chunk_hashes:
                 _check_hash(h)
         offsets = np.asarray(token_offsets, dtype=np.int64).reshape(-1)
@@ -412,24 +413,29 @@ class BlendIndex:
         o["next"][occs] = _NONE
         o["offset"][occs] = offsets
         o["claim"][occs] = claims
-        if isinstance(nss, _Repeat):
-            nids = np.full(n, self._ns_id(nss.value), dtype=np.int64)
+        if isinstance(nss, _Repeat):  # one namespace for all rows
+            nid = self._ns_id(nss.value)
+            k["ns"][claims] = nid
+            self._ns_claims[nid] += n
         else:
             nids = np.fromiter((self._ns_id(ns) for ns in nss), dtype=np.int64, count=n)
-        k["ns"][claims] = nids
+            k["ns"][claims] = nids
+            for nid, cnt in zip(*np.unique(nids, return_counts=True)):
+                self._ns_claims[int(nid)] += int(cnt)
         k["next"][claims] = _NONE
-        for nid, cnt in zip(*np.unique(nids, return_counts=True)):
-            self._ns_claims[int(nid)] += int(cnt)
-        occ_list = occs.tolist()
-        if occ_list and occ_list[0] == len(self._o_hash) and occ_list[-1] == occ_list[0] + n - 1:
+        if n and int(occs[0]) == len(self._o_hash) and int(occs[-1]) == int(occs[0]) + n - 1:
             self._o_hash.extend(hashes)  # all fresh ids: the common bulk case
         else:
-            for occ, h in zip(occ_list, hashes):
+            for occ, h in zip(occs.tolist(), hashes):
                 self._set_hash(occ, h)
         self._fpmap.insert(fps, rows)
         self._slots.insert(fps)
-        for pos, view in zip(positions.tolist(), self._tokens.rows(rows.tolist())):
-            results[pos] = view
+        views = self._tokens.rows(rows)
+        if n == len(results):  # every row of the call is new content: positions are 0..n-1
+            results[:] = views
+        else:
+            for pos, view in zip(positions.tolist(), views):
+                results[pos] = view
 
     def _set_hash(self, occ: int, chunk_hash: bytes) -> None:
         if occ == len(self._o_hash):

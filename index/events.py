@@ -20,16 +20,24 @@ keep working)::
                     "object_group_id": int >= 0 = 0,
                     "cache_salt": str = "" (at most 128 chars, none of "@", "/", "\\", NUL)},
             "size_bytes": int >= 0,
-            "token_ids": [int, ...] = [],
+            "token_ids": [int, ...] = [],     # in-process also packed, see below
             "token_offset": int >= -1 = -1}]}]}
+
+Packed tokens (in-process producers, a future binary transport): ``token_ids`` may also be
+a 1-D numpy integer array or ``bytes`` of little-endian uint32 (4 bytes per id). JSON cannot
+carry these, so the wire schema is unchanged; the same rules apply (ids outside uint32 leave
+the binding unfilled, a non-integer dtype or a length that is not a multiple of 4 is an
+error), and the batch's tokens are copied, so the producer may reuse its buffers.
 
 How it is fast: validation is hand-written, because pydantic on 1,000 entries x 256 tokens
 costs more than the whole ingest budget. A batch is checked column by column with C loops
-(comprehensions, ``map``, ``set``, ``min``/``max``) and ``token_ids`` are converted with
-``array('I').fromlist`` (a C loop that range-checks for free; it is bound by reading the
-Python ints, ~3 us per 256-token entry on the 2-core dev VM). Only a batch with something
-unusual (a missing field, a bad value, a first-seen key scope, ids outside uint32) takes the
-entry-by-entry path that names the bad field. The pydantic models at the bottom
+(``map`` with ``itemgetter``, ``set``, ``sum``, ``min``/``max``; no Python statement per
+entry), and its tokens are converted in one go: lists with ``array('I').fromlist`` (a C loop
+that range-checks for free; it is bound by reading the Python ints, 1.5-3 us per 256-token
+entry on the 2-core dev VM depending on how cold they are), packed tokens with one buffer
+copy (no per-token work). Only a batch with something unusual (a missing field, a bad
+value, a first-seen key scope, ids outside uint32, token forms mixed in one batch) takes
+the entry-by-entry path that names the bad field. The pydantic models at the bottom
 (:class:`EventRequestModel`) describe the same shape for OpenAPI; a test checks that both
 accept and reject the same payloads.
 
@@ -58,7 +66,8 @@ import math
 import sys
 from array import array
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
+from operator import attrgetter, itemgetter
 from typing import Any, Iterable, Literal, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -244,17 +253,25 @@ class TokenColumn:
     beyond the batch must copy it (or keep the index's copy).
     """
 
-    __slots__ = ("flat", "starts", "lengths", "unfilled", "_block")
+    __slots__ = ("flat", "lengths", "unfilled", "_starts", "_block")
 
     def __init__(self, flat: np.ndarray, lengths: list[int], unfilled: list[int]) -> None:
         self.flat = flat
         self.lengths = lengths
-        self.starts = list(accumulate(lengths, initial=0))[:-1] if lengths else []
         self.unfilled = unfilled
+        self._starts: Optional[list[int]] = None
         self._block: Optional[np.ndarray] = None
         n = len(lengths)
         if n and lengths[0] and flat.size == n * lengths[0] and lengths.count(lengths[0]) == n:
             self._block = flat.reshape(n, lengths[0])  # every entry has tokens of one length
+
+    @property
+    def starts(self) -> list[int]:
+        """Where each entry's tokens begin in :attr:`flat` (computed on first use: a batch
+        whose entries all have one length never needs it)."""
+        if self._starts is None:
+            self._starts = list(accumulate(self.lengths, initial=0))[:-1] if self.lengths else []
+        return self._starts
 
     def row(self, i: int) -> Optional[np.ndarray]:
         """Entry ``i``'s tokens as a read-only view, or None when it has none usable."""
@@ -271,10 +288,15 @@ class TokenColumn:
         return self._block is not None and self._block.shape[1] == length
 
     def rows(self, indices: Sequence[int]) -> np.ndarray:
-        """A fresh ``(len(indices), L)`` uint32 array of the given entries' rows (all usable,
-        all of one length ``L``: the caller checked)."""
-        if self._block is not None:
-            return self._block[np.asarray(indices, dtype=np.intp)]
+        """A ``(len(indices), L)`` uint32 array of the given entries' rows (all usable, all of
+        one length ``L``: the caller checked). ``range(len(self))`` returns the batch's own
+        read-only block without copying; anything else a fresh array. Either way it never
+        shares memory with the index, so the index may write its rows from it freely."""
+        block = self._block
+        if block is not None:
+            if type(indices) is range and indices == range(block.shape[0]):
+                return block
+            return block[np.asarray(indices, dtype=np.intp)]
         if not indices:
             return np.zeros((0, 0), dtype=np.uint32)
         return np.stack([self.row(i) for i in indices])
@@ -316,10 +338,30 @@ class EntryColumns:
         return [scope.object_key(h) for h, scope in zip(self.chunk_hashes, self.scopes)]
 
 
-_EMPTY_COLUMN = TokenColumn(np.zeros(0, dtype=np.uint32), [], [])
+_EMPTY_TOKENS = np.zeros(0, dtype=np.uint32)
+_EMPTY_TOKENS.setflags(write=False)
+_EMPTY_COLUMN = TokenColumn(_EMPTY_TOKENS, [], [])
 _NO_TOKENS: list[int] = []
+_UINT32 = np.dtype(np.uint32)
+_UINT32_MAX = 0xFFFFFFFF
+_PACKED_TOKENS = (np.ndarray, bytes, bytearray, memoryview)
+# Batch-wide type checks: the set of the types seen must be exactly (or within) these.
 _INT_ONLY = {int}
 _LIST_ONLY = {list}
+_ARRAY_ONLY = {np.ndarray}
+_BYTES_ONLY = {bytes}
+_ONE_DIM = {1}
+_SCOPE_ONLY = {KeyScope}
+# Getters of required fields, applied with ``map``: a C loop per column, and no tuple per
+# entry (a tuple is a GC-tracked allocation; a thousand live ones trigger a collection that
+# walks the caller's freshly decoded request).
+_KEY = itemgetter("key")
+_CHUNK_HASH_HEX = itemgetter("chunk_hash_hex")
+_MODEL_NAME = itemgetter("model_name")
+_KV_RANK = itemgetter("kv_rank")
+_SIZE_BYTES = itemgetter("size_bytes")
+_NDIM = attrgetter("ndim")
+_DTYPE = attrgetter("dtype")
 
 
 def _empty_entries() -> EntryColumns:
@@ -330,52 +372,114 @@ def _parse_entries(raw: Any) -> EntryColumns:
     """Validate a batch's ``entries`` and convert their tokens.
 
     This is the ingest hot path, so the common case is checked column by column with C
-    loops (comprehensions, ``map``, ``set``): every field present with an exact type, ranges
-    by ``min``/``max``, hashes of one length, and every key's scope found in a cache keyed
-    by the raw key fields (a hit means that model name, rank, group and salt were
-    validated before). Token lists go through ``array('I').fromlist``: a C loop that
-    range-checks and leaves the buffer unchanged when it fails. Anything unusual (a
-    missing field, a first-seen scope, a bad value, ids outside uint32) sends the batch
-    to :func:`_parse_entries_slow`, which validates entry by entry and names the field.
+    loops, never with a Python statement per entry: each field is gathered with one
+    ``map(itemgetter(...))`` (a comprehension with the default where an optional field is
+    left out); types are checked as the set of a column's types, ranges by ``min``/``max``;
+    hex strings must decode to exactly half their length (compared as sums: ``fromhex``
+    only ever skips whitespace, so no string is shorter than twice its bytes); and every
+    key's scope must be found in a cache keyed by the raw key fields (a hit means that
+    model name, rank, group and salt were validated before; ranks and groups are checked to
+    be exact ints, as ``True == 1`` and ``1.0 == 1`` hash alike). Tokens are converted by
+    :func:`_token_column`. Anything unusual (a missing field, a first-seen scope, a bad
+    value, ids outside uint32, token kinds mixed in one batch) sends the batch to
+    :func:`_parse_entries_slow`, which validates entry by entry and names the field.
     """
     if type(raw) is not list:
         raise _Bad(("entries",), f"must be a list, got {_type_name(raw)}")
     if not raw:
         return _empty_entries()
+    tokens: Optional[TokenColumn] = None
     try:
-        keys = [e["key"] for e in raw]
-        hexes = [k["chunk_hash_hex"] for k in keys]
+        keys = list(map(_KEY, raw))
+        hexes = list(map(_CHUNK_HASH_HEX, keys))
+        kv_ranks = list(map(_KV_RANK, keys))
+        groups = _column(keys, "object_group_id", 0)
+        # zip hands ``map`` one reused tuple at a time: no tuple per entry is kept
+        scopes = list(map(_INTERN.scopes.get, zip(map(_MODEL_NAME, keys), kv_ranks, groups,
+                                                  _column(keys, "cache_salt", ""))))
         hashes = list(map(bytes.fromhex, hexes))
-        kv_ranks = [k["kv_rank"] for k in keys]
-        groups = [k.get("object_group_id", 0) for k in keys]
-        raw_scopes = zip([k["model_name"] for k in keys], kv_ranks, groups, [k.get("cache_salt", "") for k in keys])
-        scopes = list(map(_INTERN.scopes.get, raw_scopes))
-        sizes = [e["size_bytes"] for e in raw]
-        offsets = [e.get("token_offset", -1) for e in raw]
-        token_lists = [e.get("token_ids", _NO_TOKENS) for e in raw]
-        hex_lens = set(map(len, hexes))
+        sizes = list(map(_SIZE_BYTES, raw))
+        offsets = _column(raw, "token_offset", UNKNOWN_TOKEN_OFFSET)
         hash_lens = set(map(len, hashes))
-        ok = (len(hex_lens) == 1 and len(hash_lens) == 1
-              and 0 < 2 * min(hash_lens) == min(hex_lens) <= 2 * MAX_CHUNK_HASH_BYTES
-              and set(map(type, kv_ranks + groups + sizes + offsets)) == _INT_ONLY
-              and set(map(type, token_lists)) == _LIST_ONLY
+        ok = (sum(map(len, hexes)) == 2 * sum(map(len, hashes))
+              and 0 < min(hash_lens) and max(hash_lens) <= MAX_CHUNK_HASH_BYTES
+              and set(map(type, scopes)) == _SCOPE_ONLY
+              and set(map(type, chain(kv_ranks, groups, sizes, offsets))) == _INT_ONLY
               and 0 <= min(sizes) and max(sizes) <= _INT64_MAX
-              and -1 <= min(offsets) and max(offsets) <= _INT64_MAX
-              and None not in scopes)
+              and UNKNOWN_TOKEN_OFFSET <= min(offsets) and max(offsets) <= _INT64_MAX)
+        if ok:
+            tokens = _token_column(_column(raw, "token_ids", _NO_TOKENS))
     except Exception:  # noqa: BLE001 - anything unusual: the slow path names the field
-        ok = False
-    if not ok:
+        tokens = None
+    if tokens is None:
         return _parse_entries_slow(raw)
-    buf = array("I")
-    fromlist = buf.fromlist
+    return EntryColumns(hashes, scopes, sizes, offsets, tokens)
+
+
+def _column(rows: list, name: str, default: Any) -> list:
+    """``[row.get(name, default) for row in rows]``, as one C loop when every row has the
+    field (the norm: senders fill in optional fields too)."""
     try:
-        for tokens in token_lists:
-            fromlist(tokens)
-    except (OverflowError, TypeError):
-        return _parse_entries_slow(raw)
-    flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else np.zeros(0, dtype=np.uint32)
+        return list(map(itemgetter(name), rows))
+    except KeyError:
+        return [row.get(name, default) for row in rows]
+
+
+def _token_column(token_lists: list[Any]) -> Optional[TokenColumn]:
+    """Every entry's ``token_ids`` in one read-only uint32 buffer, or None when the batch
+    needs the entry-by-entry path (kinds mixed, a bad value, ids outside uint32).
+
+    Three batch-wide forms. Lists of ints (decoded JSON) go through
+    ``array('I').fromlist``: a C loop that range-checks and leaves the buffer unchanged
+    when it fails, bound by reading the Python ints. Packed forms cost no per-token work:
+    numpy integer arrays are copied into one buffer (``bytes.join`` for 1-D uint32 arrays,
+    a plain byte copy that is cheaper per array than ``np.concatenate``), ``bytes`` of
+    little-endian uint32 (a binary transport) are joined. The buffer is always a copy, so a
+    producer may reuse its arrays once the call returns.
+    """
+    kinds = set(map(type, token_lists))
+    if kinds == _LIST_ONLY:
+        buf = array("I")
+        fromlist = buf.fromlist
+        try:
+            for ids in token_lists:
+                fromlist(ids)
+        except (OverflowError, TypeError):
+            return None
+        flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else _EMPTY_TOKENS
+        lengths = list(map(len, token_lists))
+    elif kinds == _ARRAY_ONLY:
+        if set(map(_NDIM, token_lists)) != _ONE_DIM:
+            return None
+        dtypes = set(map(_DTYPE, token_lists))
+        dtype = dtypes.pop()
+        if dtypes or dtype.kind not in "iu":  # mixed dtypes (numpy would promote) or not integers
+            return None
+        flat = None
+        if dtype == _UINT32:
+            try:
+                joined = b"".join(token_lists)
+                flat = np.frombuffer(joined, dtype=np.uint32) if joined else _EMPTY_TOKENS
+            except TypeError:  # a strided array exports no plain buffer
+                pass
+        if flat is None:
+            flat = np.concatenate(token_lists)
+            if dtype != _UINT32:
+                if flat.size and (int(flat.min()) < 0 or int(flat.max()) > _UINT32_MAX):
+                    return None
+                flat = flat.astype(np.uint32)
+        lengths = list(map(len, token_lists))
+    elif kinds == _BYTES_ONLY:
+        byte_lens = list(map(len, token_lists))
+        lengths = [nbytes >> 2 for nbytes in byte_lens]
+        if 4 * sum(lengths) != sum(byte_lens):  # some entry is not a whole number of ids
+            return None
+        joined = b"".join(token_lists)
+        flat = np.frombuffer(joined, dtype="<u4").astype(np.uint32, copy=False) if joined else _EMPTY_TOKENS
+    else:
+        return None
     flat.setflags(write=False)
-    return EntryColumns(hashes, scopes, sizes, offsets, TokenColumn(flat, list(map(len, token_lists)), []))
+    return TokenColumn(flat, lengths, [])
 
 
 def _parse_entries_slow(raw: list) -> EntryColumns:
@@ -395,16 +499,24 @@ def _parse_entries_slow(raw: list) -> EntryColumns:
             scopes.append(scope)
             sizes.append(size)
             offsets.append(offset)
-            try:
-                buf.fromlist(tokens)
-                lengths.append(len(tokens))
-            except (OverflowError, TypeError):
-                _check_token_types(tokens, ("token_ids",))  # raises for non-integers
-                unfilled.append(i)
-                lengths.append(0)
+            if type(tokens) is list:
+                try:
+                    buf.fromlist(tokens)
+                    lengths.append(len(tokens))
+                    continue
+                except (OverflowError, TypeError):
+                    _check_token_types(tokens, ("token_ids",))  # raises for non-integers
+            else:
+                packed = _packed_tokens(tokens)
+                if packed is not None:
+                    buf.frombytes(np.ascontiguousarray(packed).view(np.uint8))
+                    lengths.append(len(packed))
+                    continue
+            unfilled.append(i)
+            lengths.append(0)
     except _Bad as bad:
         raise _Bad(("entries", i) + bad.loc, bad.reason) from None
-    flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else np.zeros(0, dtype=np.uint32)
+    flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else _EMPTY_TOKENS
     flat.setflags(write=False)
     return EntryColumns(hashes, scopes, sizes, offsets, TokenColumn(flat, lengths, unfilled))
 
@@ -416,9 +528,31 @@ def _check_token_types(tokens: list[Any], loc: tuple) -> None:
             raise _Bad(loc + (k,), f"token ids must be integers, got {_type_name(value)} {value!r}")
 
 
-def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, list]:
+def _packed_tokens(value: Any) -> Optional[np.ndarray]:
+    """One entry's ``token_ids`` given packed (a 1-D numpy integer array, or bytes of
+    little-endian uint32) as uint32, or None when an id lies outside uint32 (valid, but
+    it fills no binding, as for lists). Raises ``_Bad`` for anything else."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise _Bad(("token_ids",), f"must be a 1-D array of token ids, got shape {value.shape}")
+        if value.dtype.kind not in "iu":
+            raise _Bad(("token_ids",), f"token ids must be integers, got an array of {value.dtype}")
+        if value.dtype == _UINT32:
+            return value
+        if value.size and (int(value.min()) < 0 or int(value.max()) > _UINT32_MAX):
+            return None
+        return value.astype(np.uint32)
+    try:
+        return np.frombuffer(value, dtype="<u4").astype(np.uint32, copy=False)
+    except (TypeError, ValueError):
+        raise _Bad(("token_ids",), "packed token ids must be contiguous bytes of little-endian uint32 "
+                                   f"(a multiple of 4 bytes), got {_type_name(value)}") from None
+
+
+def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, Any]:
     """One entry, fully validated -> ``(chunk_hash, scope, size_bytes, token_offset,
-    token_ids)``; raises ``_Bad`` (entry-relative location) naming the bad field."""
+    token_ids)`` (``token_ids`` as given: a list, or packed, see :func:`_packed_tokens`);
+    raises ``_Bad`` (entry-relative location) naming the bad field."""
     if type(entry) is not dict:
         raise _Bad((), f"must be an object, got {_type_name(entry)}")
     key = entry.get("key")
@@ -443,7 +577,7 @@ def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, list]:
     if type(offset) is not int or not UNKNOWN_TOKEN_OFFSET <= offset <= _INT64_MAX:
         raise _Bad(("token_offset",), _int_reason(offset, UNKNOWN_TOKEN_OFFSET, _INT64_MAX))
     tokens = entry.get("token_ids", _NO_TOKENS)
-    if type(tokens) is not list:
+    if type(tokens) is not list and not isinstance(tokens, _PACKED_TOKENS):
         raise _Bad(("token_ids",), f"must be a list of integers, got {_type_name(tokens)}")
     return chunk_hash, _INTERN.scope(model, kv_rank, group, salt), size, offset, tokens
 

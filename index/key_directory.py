@@ -41,16 +41,19 @@ occupant of that content (it has at least one claim); the index reuses a row onl
 its content's last occupant left.
 
 Speed (issue 3 asks >= 200k STORE entries/s with 256 tokens): ``events.py`` converts tokens
-in bulk. A batch of distinct chunk hashes none of which is bound (the steady state) is
-applied column-wise with one ``BlendIndex.add_many`` (:meth:`KeyDirectory._store_all_new`);
-any other batch goes entry by entry, with index writes deferred and flushed as one
+in bulk (lists of ints, or packed arrays with no per-token work). A batch of distinct chunk
+hashes none of which is bound (the steady state) is applied column-wise
+(:meth:`KeyDirectory._store_all_new`): its whole token block goes to one
+``BlendIndex.add_many`` without a copy, and each binding is built once, with the index's
+row. Any other batch goes entry by entry, with index writes deferred and flushed as one
 ``add_many``. Deferral keeps the exact per-entry order: pending adds are flushed before any
 removal, and writes to different chunk hashes commute. Measured figures: ``docs`` and
 ``python -m blendmatch.service.bench_events``.
 
 GC note: every binding is a GC-tracked object, so a full collection walks them all
-(~millions in a fleet). The service may call ``gc.freeze()`` after bulk loads or raise the
-gen-2 threshold; this module does not touch process-wide GC settings.
+(~millions in a fleet; about 1 us per stored entry, amortised, at 100k entries on the dev
+VM). The service may call ``gc.freeze()`` after bulk loads or raise the gen-2 threshold;
+this module does not touch process-wide GC settings.
 
 Thread safety: one lock (``self._lock``) guards all state; the index is called with it
 held (lock order: directory -> index; the index never calls back). Blend lookups call the
@@ -157,8 +160,9 @@ class _Binding:
 
     __slots__ = ("tokens", "offset", "members", "indexed")
 
-    def __init__(self, members: tuple[_Member, ...], offset: int = -1, indexed: bool = False) -> None:
-        self.tokens: Optional[np.ndarray] = None
+    def __init__(self, members: tuple[_Member, ...], offset: int = -1, indexed: bool = False,
+                 tokens: Optional[np.ndarray] = None) -> None:
+        self.tokens = tokens
         self.offset = offset
         self.members = members
         self.indexed = indexed
@@ -502,32 +506,36 @@ class KeyDirectory:
             if b.tokens is view:  # not indexed: keep a private copy, not a view of the batch
                 b.tokens = _own_copy(view)
         if deferred_b:
-            self._attach_new_content(deferred_b, deferred_i, entries)
+            for b, content in zip(deferred_b, self._new_contents(deferred_i, entries)):
+                b.tokens = content
         self._entries_stored += n
         self._warn_unfilled(batch)
 
     def _store_all_new(self, batch: EventBatch) -> None:
         """A STORE batch of distinct chunk hashes none of which is bound yet (the steady
         state of ingest): each gets a one-key binding, built column-wise, with no
-        per-entry lookups; content is attached in bulk."""
+        per-entry lookups; content is claimed in bulk first, so each binding is built once,
+        content included."""
         entries = batch.entries
         n = len(entries)
         hashes, scopes, sizes, offsets = entries.chunk_hashes, entries.scopes, entries.sizes, entries.offsets
         lengths = entries.tokens.lengths
         enabled = self._index is not None
-        placement = {size: self._placement_of(batch, size) for size in set(sizes)}
-        if len(placement) == 1 and scopes.count(scopes[0]) == n:
-            members: Iterable[tuple[_Member, ...]] = repeat(self._single(scopes[0], placement[sizes[0]]), n)
+        if sizes.count(sizes[0]) == n and scopes.count(scopes[0]) == n:  # one members tuple for all
+            members: Iterable[tuple[_Member, ...]] = repeat(
+                self._single(scopes[0], self._placement_of(batch, sizes[0])), n)
         else:
+            placement = {size: self._placement_of(batch, size) for size in set(sizes)}
             members = [self._single(sc, placement[sz]) for sc, sz in zip(scopes, sizes)]
-        with_tokens = lengths.count(0) == 0
-        if with_tokens:
-            bs = list(map(_Binding, members, offsets, repeat(enabled, n)))
-            rows: list[int] = list(range(n))
+        if lengths.count(0) == 0:  # every entry carries content
+            bs = list(map(_Binding, members, offsets, repeat(enabled, n), self._new_contents(range(n), entries)))
         else:
-            bs = list(map(_Binding, members, [o if ln else -1 for o, ln in zip(offsets, lengths)],
-                          [enabled and ln > 0 for ln in lengths]))
             rows = [i for i, ln in enumerate(lengths) if ln]
+            contents: list[Optional[np.ndarray]] = [None] * n
+            for i, content in zip(rows, self._new_contents(rows, entries)):
+                contents[i] = content
+            bs = list(map(_Binding, members, [o if ln else -1 for o, ln in zip(offsets, lengths)],
+                          [enabled and ln > 0 for ln in lengths], contents))
         self._bindings.update(zip(hashes, bs))
         self._num_keys += n
         self._num_placements += n
@@ -535,8 +543,6 @@ class KeyDirectory:
             inst = batch.instance_id
             self._l1_chunks.setdefault(inst, set()).update(hashes)
             self._l1_keys[inst] = self._l1_keys.get(inst, 0) + n
-        if rows:
-            self._attach_new_content(bs if with_tokens else [bs[i] for i in rows], rows, entries)
         self._entries_stored += n
         self._warn_unfilled(batch)
 
@@ -548,33 +554,34 @@ class KeyDirectory:
                         "token bindings stay unfilled (first: chunk %s)", len(unfilled),
                         batch.instance_id, batch.seq, batch.entries.chunk_hashes[unfilled[0]].hex())
 
-    def _attach_new_content(self, bs: list[_Binding], rows: list[int], entries: EntryColumns) -> None:
-        """First content of new single-key bindings (offsets already set): claim it in one
-        ``add_many`` where indexable and keep the index's rows; private copies otherwise."""
+    def _new_contents(self, rows: Sequence[int], entries: EntryColumns) -> list[np.ndarray]:
+        """First content of new single-key bindings, batch rows ``rows`` (offsets known from
+        the batch): claimed in one ``add_many`` where indexable. Returns what each binding
+        keeps: the index's row, else a private copy (never a view of the batch buffer).
+        Counts the new token bindings."""
         column = entries.tokens
-        self._num_with_tokens += len(bs)
-        stored: list[Optional[np.ndarray]] = [None] * len(bs)
+        self._num_with_tokens += len(rows)
+        stored: list[Optional[np.ndarray]] = [None] * len(rows)
         index = self._index
         if index is not None:
             size, lengths, offsets = index.chunk_size, column.lengths, entries.offsets
-            whole = len(rows) == len(entries)  # the batch is all new chunks with tokens
-            if whole and min(offsets) >= 0 and column.rows_of_length(size):
-                pick, sel = range(len(rows)), rows
-                hashes, sel_offsets, scopes = entries.chunk_hashes, offsets, entries.scopes
+            if len(rows) == len(entries) and min(offsets) >= 0 and column.rows_of_length(size):
+                # the whole batch (rows are then 0..n-1 in order): its token block as is
+                results = index.add_many(column.rows(range(len(rows))), entries.chunk_hashes, offsets,
+                                         _namespace_arg(entries.scopes))
+                if set(map(type, results)) == _ROWS_ONLY:  # all indexed: no collision
+                    return results  # type: ignore[return-value]
+                pick: Sequence[int] = range(len(rows))
             else:
                 pick = [k for k, i in enumerate(rows) if lengths[i] == size and offsets[i] >= 0]
                 sel = [rows[k] for k in pick]
-                hashes = [entries.chunk_hashes[i] for i in sel]
-                sel_offsets = [offsets[i] for i in sel]
-                scopes = [entries.scopes[i] for i in sel]
-            if sel:
-                first = scopes[0]
-                nss = first.namespace if scopes.count(first) == len(scopes) else [sc.namespace for sc in scopes]
-                results = index.add_many(column.rows(sel), hashes, sel_offsets, nss)
-                for k, row in zip(pick, results):
-                    stored[k] = row
-        for b, i, row in zip(bs, rows, stored):
-            b.tokens = row if row is not None else _own_copy(column.row(i))  # type: ignore[arg-type]
+                results = index.add_many(column.rows(sel), [entries.chunk_hashes[i] for i in sel],
+                                         [offsets[i] for i in sel],
+                                         _namespace_arg([entries.scopes[i] for i in sel])) if sel else []
+            for k, row in zip(pick, results):
+                stored[k] = row
+        return [row if row is not None else _own_copy(column.row(i))  # type: ignore[arg-type]
+                for i, row in zip(rows, stored)]
 
     def _upsert(self, b: _Binding, scope: KeyScope, p: Placement) -> tuple[bool, bool, bool]:
         """Add or replace ``p`` among ``scope``'s placements in ``b``.
@@ -771,6 +778,18 @@ class KeyDirectory:
                     chunks.discard(h)
                     if not chunks:
                         del self._l1_chunks[inst]
+
+
+_ROWS_ONLY = {np.ndarray}
+
+
+def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[BlendNamespace]]:
+    """``add_many``'s namespaces: one when the rows share it (the norm: one scope per
+    batch, compared by identity as scopes are interned), else one per row."""
+    first = scopes[0]
+    if scopes.count(first) == len(scopes):
+        return first.namespace
+    return [sc.namespace for sc in scopes]
 
 
 def _own_copy(view: np.ndarray) -> np.ndarray:

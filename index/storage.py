@@ -225,6 +225,17 @@ def _alloc_block(rows: int, width: int) -> np.ndarray:
     return np.empty((rows, width), dtype=np.uint32)
 
 
+def _first_of_run(rows: np.ndarray) -> int:
+    """``rows[0]`` when ``rows`` (int64, 1-D) are consecutive ascending ids, else -1."""
+    n = int(rows.shape[0])
+    if not n:
+        return -1
+    first = int(rows[0])
+    if int(rows[-1]) - first != n - 1 or (n > 1 and not bool((np.diff(rows) == 1).all())):
+        return -1
+    return first
+
+
 class TokenStore:
     """Token rows of ``width`` uint32 each, in fixed blocks of ``block_rows`` rows.
 
@@ -265,6 +276,11 @@ class TokenStore:
         if rows.size == 0:
             return
         self.ensure(int(rows.max()) + 1)
+        first = _first_of_run(rows)
+        if first >= 0 and first >> self.shift == int(rows[-1]) >> self.shift:
+            lo = first & self.mask  # consecutive rows in one block (a bulk insert): one slice copy
+            self._py_blocks[first >> self.shift][lo:lo + rows.size] = tokens2d
+            return
         order = np.argsort(rows, kind="stable")
         rows = rows[order]
         blk = rows >> self.shift
@@ -282,10 +298,21 @@ class TokenStore:
         """Read-only view of row ``r`` (shares memory with the store)."""
         return self._ro_blocks[r >> self.shift][r & self.mask]
 
-    def rows(self, rows: list[int]) -> list[np.ndarray]:
-        """Read-only views of many rows."""
+    def rows(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Read-only views of many rows (``rows``: int64 ids). A run of consecutive ids (what
+        a bulk insert allocates) is sliced per block and iterated in C: no per-row Python."""
         ro, shift, mask = self._ro_blocks, self.shift, self.mask
-        return [ro[r >> shift][r & mask] for r in rows]
+        first = _first_of_run(rows)
+        if first >= 0:
+            out: list[np.ndarray] = []
+            r, end = first, first + int(rows.shape[0])
+            while r < end:
+                lo = r & mask
+                take = min(end - r, mask + 1 - lo)
+                out.extend(ro[r >> shift][lo:lo + take])
+                r += take
+            return out
+        return [ro[r >> shift][r & mask] for r in rows.tolist()]
 
     def nbytes(self) -> int:
         return len(self._py_blocks) * (1 << self.shift) * self.width * 4

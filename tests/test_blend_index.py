@@ -252,3 +252,22 @@ def test_reserve_keeps_answers_and_avoids_growth(rng):
     assert [m.cur_st for m in idx.match(rows.ravel(), A)] == list(range(0, 3000 * 8, 8))
     with pytest.raises(ValueError):
         idx.reserve(-1)
+
+
+def test_token_store_writes_and_views_rows_across_blocks(rng):
+    """Bulk writes of consecutive rows (one slice per block) and scattered ones agree with a
+    plain model; row views are read-only and share the store's memory."""
+    from blendmatch.index.storage import TokenStore
+
+    store = TokenStore(3, block_shift=2)  # 4 rows per block: runs cross block boundaries
+    model: dict[int, list[int]] = {}
+    for rows in ([0, 1, 2], [3, 4, 5, 6, 7, 8, 9], [11], [2, 0, 1], [14, 12, 13], [10, 15, 16, 17]):
+        tokens = rng.integers(0, 1 << 32, size=(len(rows), 3), dtype=np.uint32)
+        store.write(np.array(rows, dtype=np.int64), tokens)
+        model.update(zip(rows, tokens.tolist()))
+        ids = np.array(sorted(model), dtype=np.int64)
+        for subset in (ids, ids[::-1], ids[1:5], ids[3:4]):
+            views = store.rows(subset)
+            assert [v.tolist() for v in views] == [model[r] for r in subset.tolist()]
+            assert all(not v.flags.writeable for v in views)
+    assert np.shares_memory(store.rows(np.array([5], dtype=np.int64))[0], store._py_blocks[1])

@@ -101,6 +101,69 @@ def test_token_ids_outside_uint32_are_valid_but_unfilled(tokens):
     assert col.unfilled == [1] and col.row(1) is None and col.row(0).tolist() == [7]
 
 
+def _packed_variants(rows: list[list[int]]) -> dict[str, list]:
+    """The same token rows as lists, uint32 arrays, int64 arrays, views of one buffer,
+    strided arrays and little-endian bytes."""
+    flat = np.array([t for r in rows for t in r], dtype=np.uint32)
+    starts = np.cumsum([0] + [len(r) for r in rows]).tolist()
+    return {
+        "lists": rows,
+        "uint32": [np.array(r, dtype=np.uint32) for r in rows],
+        "int64": [np.array(r, dtype=np.int64) for r in rows],
+        "views": [flat[a:b] for a, b in zip(starts, starts[1:])],
+        "strided": [np.repeat(np.array(r, dtype=np.uint32), 2)[::2] for r in rows],
+        "bytes": [np.array(r, dtype="<u4").tobytes() for r in rows],
+    }
+
+
+@pytest.mark.parametrize("form", ["lists", "uint32", "int64", "views", "strided", "bytes"])
+@pytest.mark.parametrize("rows", [[[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [], [2**32 - 1]]])
+def test_packed_token_ids_parse_like_lists(form, rows):
+    """In-process producers may pass numpy arrays or little-endian uint32 bytes: the batch
+    is judged and converted exactly as the same ids sent as JSON lists, and copied."""
+    given = _packed_variants(rows)[form]
+    col = parse_event_request({"batches": [_batch([_entry(token_ids=t, token_offset=0) for t in given])]}
+                              ).batches[0].entries.tokens
+    assert [None if col.row(i) is None else col.row(i).tolist() for i in range(len(rows))] == \
+        [r or None for r in rows]
+    assert col.lengths == [len(r) for r in rows] and col.unfilled == []
+    assert col.flat.dtype == np.uint32 and not col.flat.flags.writeable
+    if form in ("uint32", "int64", "views"):  # the batch holds a copy: the producer may reuse its arrays
+        for t in given:
+            t[...] = 0
+        assert col.row(0).tolist() == rows[0]
+
+
+@pytest.mark.parametrize("form", ["uint32", "int64", "bytes"])
+def test_packed_token_ids_mixed_with_lists_in_one_batch(form):
+    packed = _packed_variants([[4, 5]])[form][0]
+    col = parse_event_request({"batches": [_batch([_entry(token_ids=[1, 2, 3]), _entry(token_ids=packed),
+                                                   _entry()])]}).batches[0].entries.tokens
+    assert col.row(0).tolist() == [1, 2, 3] and col.row(1).tolist() == [4, 5] and col.row(2) is None
+
+
+@pytest.mark.parametrize("tokens", [np.array([1, -1], dtype=np.int64), np.array([2**32], dtype=np.uint64),
+                                    np.array([2**40, 1], dtype=np.int64)])
+@pytest.mark.parametrize("alone", [True, False])
+def test_packed_token_ids_outside_uint32_are_valid_but_unfilled(tokens, alone):
+    others = [np.array([7], dtype=tokens.dtype)] if alone else [[7]]
+    req = parse_event_request({"batches": [_batch([_entry(token_ids=others[0]), _entry(token_ids=tokens)])]})
+    col = req.batches[0].entries.tokens
+    assert col.unfilled == [1] and col.row(1) is None and col.row(0).tolist() == [7]
+
+
+@pytest.mark.parametrize("tokens", [np.array([[1, 2]], dtype=np.uint32), np.array([1.0, 2.0]),
+                                    np.array([True, False]), np.array(["1"]), b"\x01\x00\x00",
+                                    bytearray(b"\x01\x00"), np.uint32(3)])
+@pytest.mark.parametrize("alone", [True, False])
+def test_bad_packed_token_ids_are_named(tokens, alone):
+    entries = [_entry(token_ids=tokens), _entry(token_ids=tokens)] if alone else \
+        [_entry(token_ids=[1]), _entry(token_ids=tokens)]
+    with pytest.raises(EventValidationError) as err:
+        parse_event_request({"batches": [_batch(entries)]})
+    assert err.value.field.startswith("batches[0].entries[") and ".token_ids" in err.value.field
+
+
 def test_config_batch_and_access_without_backend():
     req = parse_event_request({"batches": [
         _batch(entries=_DROP, event_type="config", capacity_bytes=5, capacity_revision=1),

@@ -416,6 +416,43 @@ def test_unindexed_content_never_pins_the_batch_buffer(d, feed):
         assert tokens.base is None and not tokens.flags.writeable
 
 
+@pytest.mark.parametrize("form", ["uint32", "int64", "bytes"])
+def test_packed_token_ids_apply_like_lists(form):
+    """An in-process producer's numpy arrays (or packed bytes) give the same directory and
+    index as the same ids in JSON lists, on the bulk path and entry by entry; the directory
+    keeps no reference to the producer's buffers."""
+    def pack(tokens):
+        arr = np.array(tokens, dtype=np.int64 if form == "int64" else "<u4")
+        return arr.tobytes() if form == "bytes" else arr
+
+    def entry(conv, i: int, tokens=None, **kw) -> dict:
+        e = E(i, **kw)  # wire_entry would turn packed tokens into a list
+        if tokens is not None:
+            e["token_ids"] = conv(tokens)
+        return e
+
+    def feed_all(dd: KeyDirectory, conv) -> None:
+        f = Feed(dd)
+        f.store("a", entry(conv, 1, X, offset=0), entry(conv, 2, Y, offset=-1), entry(conv, 3, [9, 9], offset=0))
+        # a repeated hash: entry by entry
+        f.store("a", entry(conv, 4, Y, offset=4), entry(conv, 4, X, offset=8), entry(conv, 5))
+        f.store("b", entry(conv, 1, X, offset=0, model="n"))  # an existing binding gains a key
+
+    want, got = KeyDirectory(), KeyDirectory()
+    for dd in (want, got):
+        dd.enable_blend_lookup(chunk_size=C, probe_stride=1, engine="reference")
+    feed_all(want, list)
+    feed_all(got, pack)
+    assert type(pack(X)) is (bytes if form == "bytes" else np.ndarray)
+    hs = [H(i) for i in range(1, 7)]
+    assert [None if t is None else t.tolist() for t in got.get_token_ids(hs)] == \
+        [None if t is None else t.tolist() for t in want.get_token_ids(hs)]
+    assert [got.get_token_offset(h) for h in hs] == [want.get_token_offset(h) for h in hs]
+    for tokens, ns in ((X, NS), (Y, NS), (X + Y, NS), (X, BlendNamespace("n", "", 1))):
+        assert hits(got, tokens, ns) == hits(want, tokens, ns)
+    assert got.stats() == want.stats()
+
+
 def test_enable_twice_is_an_error(d):
     with pytest.raises(RuntimeError, match="already"):
         d.enable_blend_lookup(chunk_size=C)
