@@ -1,0 +1,91 @@
+"""Service settings: one typed object that the CLI fills and tests override.
+
+``ServiceConfig`` is a frozen pydantic model, so a bad value fails at start-up with a message
+that names the field, never at the first request. Tests build one directly
+(``ServiceConfig(max_batch_tokens=8192)``) or derive one (``config.model_copy(update=...)``)
+and hand it to :func:`blendmatch.service.app.create_app`.
+
+Limits and why they exist:
+
+- ``max_request_tokens`` bounds the tokens one HTTP request may carry (a single lookup, or
+  the sum over a batch lookup). Over it -> 413. One request must not be able to hold the
+  engine for seconds while every other caller waits behind it.
+- ``max_body_bytes`` bounds the raw body, checked *before* parsing (Content-Length and the
+  streamed byte count). Derived from ``max_request_tokens`` when not given: 16 bytes per
+  token covers a JSON ``token_ids`` list of 10-digit ids with separators, plus 1 MiB of slack
+  for the envelope. Event batches are bounded by the same number.
+- ``max_batch_tokens`` bounds the tokens in one engine batch (not the number of requests:
+  a batch's cost is its windows, i.e. its tokens). A single request larger than the budget
+  still runs, alone. Setting it to one request's size turns batching off, which is what the
+  load test's "no batching" configuration does.
+- ``engine_threads`` (default: CPUs - 1, at least 1) is how many threads the CPU engine's
+  parallel probe may use. The event loop needs a core of its own under load: on a 2-core
+  machine a 2-thread probe runs half its work on the loop's core and took 1.5x longer than a
+  1-thread probe while the server was saturated.
+- ``max_batch_wait_ms`` (default 0) is how long the batcher may wait for more requests once
+  it has one: 0 means "take whatever is queued when the engine becomes free", which already
+  forms large batches under load and adds no latency when idle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from blendmatch.gpu.engine import EngineName
+
+__all__ = ["ServiceConfig", "LogLevel", "BODY_BYTES_PER_TOKEN", "BODY_SLACK_BYTES"]
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+#: Body bytes allowed per token of ``max_request_tokens``: a JSON id of up to 10 digits plus
+#: ", " separators is at most 12 bytes; 16 leaves room without allowing anything absurd.
+BODY_BYTES_PER_TOKEN = 16
+#: Fixed allowance for the JSON envelope (field names, namespaces, keys of event entries).
+BODY_SLACK_BYTES = 1 << 20
+
+
+class ServiceConfig(BaseModel):
+    """Everything ``blendmatch serve`` can be told. Immutable; see the module docstring."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=9300, ge=0, le=65535)
+    chunk_size: int = Field(default=256, ge=1, description="tokens per KV chunk (the match window)")
+    blend_probe_stride: int = Field(default=1, ge=1, description="query positions between probes")
+    enable_blend_lookup: bool = Field(default=True, description="index chunk content for blend lookups")
+    engine: EngineName = "auto"
+    max_batch_tokens: int = Field(default=1 << 18, ge=1, description="token budget of one engine batch")
+    max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
+    max_request_tokens: int = Field(default=1_000_000, ge=1)
+    max_body_bytes: int | None = Field(default=None, ge=1024, description="None: derived from max_request_tokens")
+    engine_threads: int | None = Field(default=None, ge=1,
+                                       description="CPU engine threads; None: one less than the CPUs (min 1)")
+    log_level: LogLevel = "info"
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServiceConfig":
+        if self.max_body_bytes is None:
+            object.__setattr__(self, "max_body_bytes",
+                               self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES)
+        return self
+
+    @property
+    def body_limit(self) -> int:
+        """The effective body size limit in bytes (never None)."""
+        limit = self.max_body_bytes
+        return limit if limit is not None else self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES
+
+    @property
+    def effective_engine_threads(self) -> int:
+        """``engine_threads``, or one less than the machine's CPUs (at least 1)."""
+        if self.engine_threads is not None:
+            return self.engine_threads
+        return max(1, (os.cpu_count() or 2) - 1)
+
+    @property
+    def max_batch_wait_s(self) -> float:
+        return self.max_batch_wait_ms / 1000.0

@@ -1,0 +1,268 @@
+"""The typed context every route receives: configuration, directory, batcher, executors, metrics.
+
+One :class:`ServiceContext` per app, built by ``create_app`` and handed to routes through the
+:data:`Ctx` dependency (the only code that reads ``app.state``). Routes stay thin: they
+validate, call one context method, and shape the answer.
+
+Threads (why three):
+
+- the event loop: HTTP parsing, request validation and responses only; it never decodes
+  ``tokens_b64``, hashes, probes or takes the directory's lock;
+- ``blendmatch-lookup`` (one thread, owned by the batcher): every engine batch, including
+  the base64 decoding of its queries (one ``nogil`` kernel call per batch) and the JSON
+  encoding of its answers. One thread, so the engine is used from one place and batches
+  form naturally while it is busy. Its numba thread count is ``engine_threads``;
+- ``blendmatch-events`` (one thread): JSON decoding, validation and application of cache
+  events, and fencing, in arrival order. A separate thread, so a burst of events cannot
+  queue behind lookups nor lookups behind events; they contend only for the GIL (the probe
+  runs in numba with the GIL released) and briefly for the index lock (a lookup takes it
+  only to verify survivors, never the directory's lock);
+- reads that take the directory lock (stats, key listing, key lookup, a metrics scrape) go
+  to the loop's default executor, so a long event apply never stalls the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, Callable, TypeVar
+
+import numpy as np
+from fastapi import Depends, Request
+
+from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index.types import BlendMatch, BlendNamespace
+
+from .batcher import MicroBatcher
+from .config import ServiceConfig
+from .errors import LimitExceeded, ServiceUnavailable, TokenDecodeError
+from .metrics import ServiceMetrics
+from .tokens import b64_token_count, decode_b64_many
+
+__all__ = ["ServiceContext", "LookupQuery", "Ctx", "get_context", "build_directory"]
+
+log = logging.getLogger("blendmatch.service")
+
+#: One lookup as the batcher carries it: (uint32 tokens, or a ``tokens_b64`` string that the
+#: lookup thread decodes with the rest of its batch, namespace).
+LookupQuery = tuple["np.ndarray | str", BlendNamespace]
+
+T = TypeVar("T")
+
+_EMPTY_MATCHES = b'{"matches":[]}'
+
+
+def query_tokens(query: LookupQuery) -> int:
+    """Tokens in a query (for a ``tokens_b64`` string: from its length, exact when valid)."""
+    source = query[0]
+    return b64_token_count(source) if isinstance(source, str) else int(source.shape[0])
+
+
+def _init_lookup_thread(threads: int) -> None:
+    """Runs once on the lookup thread: numba's thread count is per calling thread."""
+    try:
+        import numba
+
+        numba.set_num_threads(max(1, min(threads, int(getattr(numba.config, "NUMBA_NUM_THREADS", threads)))))
+    except Exception:  # noqa: BLE001 - a tuning knob; never a reason not to serve
+        log.warning("could not set the CPU engine's thread count to %d", threads, exc_info=True)
+
+
+def _decode_errors(queries: list[LookupQuery]) -> list[TokenDecodeError | None]:
+    """Per query: None, or why its ``tokens_b64`` does not decode (used when blend lookup is
+    disabled, so that bad input is still a 422)."""
+    strings = [(i, q[0]) for i, q in enumerate(queries) if isinstance(q[0], str)]
+    errors: list[TokenDecodeError | None] = [None] * len(queries)
+    for (i, _), got in zip(strings, decode_b64_many([v for _, v in strings]), strict=True):
+        if isinstance(got, TokenDecodeError):
+            errors[i] = got
+    return errors
+
+
+def _check_decodes(queries: list[LookupQuery]) -> None:
+    for err in _decode_errors(queries):
+        if err is not None:
+            raise err
+
+
+def build_directory(config: ServiceConfig) -> KeyDirectory:
+    """A fresh directory configured as ``config`` says (engine selection happens here)."""
+    directory = KeyDirectory()
+    if config.enable_blend_lookup:
+        directory.enable_blend_lookup(chunk_size=config.chunk_size, probe_stride=config.blend_probe_stride,
+                                      engine=config.engine)
+    return directory
+
+
+def encode_matches(matches: list[BlendMatch]) -> bytes:
+    """One query's ``{"matches": [...]}`` as JSON bytes (built on the lookup thread).
+
+    Formatted directly (hex digits and integers need no escaping): a few times cheaper than
+    ``json.dumps`` of a dict per match, and it runs once per query under the GIL.
+    """
+    if not matches:
+        return _EMPTY_MATCHES
+    items = ",".join(f'{{"chunk_hash":"{m.chunk_hash.hex()}","old_st":{int(m.old_st)},"cur_st":{int(m.cur_st)}}}'
+                     for m in matches)
+    return f'{{"matches":[{items}]}}'.encode()
+
+
+class ServiceContext:
+    """Everything a route needs; see the module docstring. Start/stop via the app lifespan."""
+
+    def __init__(self, config: ServiceConfig, directory: KeyDirectory | None = None) -> None:
+        self.config = config
+        self.directory = directory if directory is not None else build_directory(config)
+        self.metrics = ServiceMetrics(snapshot=self.snapshot)
+        self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
+            self._run_lookups,
+            cost=query_tokens,
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_wait_s=config.max_batch_wait_s,
+            observer=self.metrics.observe_batch,
+            thread_initializer=lambda: _init_lookup_thread(config.effective_engine_threads),
+            name="lookup",
+        )
+        self._events_executor: ThreadPoolExecutor | None = None
+        self._events_pending = 0
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def blend_enabled(self) -> bool:
+        return self.directory.blend_index is not None
+
+    def engine_info(self) -> dict[str, str]:
+        index = self.directory.blend_index
+        if index is None:
+            return {"name": "none", "reason": "blend lookup disabled (--disable-blend-lookup)"}
+        return {"name": index.engine.name, "reason": index.engine.reason}
+
+    async def start(self) -> None:
+        self._events_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blendmatch-events")
+        await self.lookups.start()
+        index = self.directory.blend_index
+        if index is not None:  # on the lookup thread: the first batch pays no compilation or page-in
+            warm = np.zeros(2 * index.chunk_size, dtype=np.uint32)
+            await asyncio.get_running_loop().run_in_executor(
+                self.lookups.executor, index.match_batch, [(warm, BlendNamespace("blendmatch-warmup"))])
+        eng = self.engine_info()
+        log.info("blendmatch serving: engine %s (%s); chunk_size %d, probe_stride %d, max_batch_tokens %d, "
+                 "max_batch_wait_ms %g, max_request_tokens %d, engine_threads %d", eng["name"], eng["reason"],
+                 self.config.chunk_size, self.config.blend_probe_stride, self.config.max_batch_tokens,
+                 self.config.max_batch_wait_ms, self.config.max_request_tokens, self.config.effective_engine_threads)
+
+    async def stop(self) -> None:
+        await self.lookups.stop()
+        if self._events_executor is not None:
+            self._events_executor.shutdown(wait=True, cancel_futures=True)
+            self._events_executor = None
+
+    # ------------------------------------------------------------------ lookups
+    def check_tokens(self, n: int) -> None:
+        """413 when one request carries more than ``max_request_tokens`` tokens."""
+        if n > self.config.max_request_tokens:
+            raise LimitExceeded(
+                f"request carries {n} tokens, over the limit of {self.config.max_request_tokens} "
+                "(--max-request-tokens)")
+
+    async def lookup(self, query: LookupQuery) -> bytes:
+        """One query through the batcher -> its ``{"matches": ...}`` JSON bytes.
+
+        Raises :class:`TokenDecodeError` when its ``tokens_b64`` does not decode.
+        """
+        if not self.blend_enabled:
+            _check_decodes([query])
+            return _EMPTY_MATCHES
+        result = await self.lookups.submit(query)
+        if isinstance(result, BaseException):  # the batcher raises per-query failures itself
+            raise result
+        return result
+
+    async def lookup_many(self, queries: list[LookupQuery]) -> list[bytes | BaseException]:
+        """Several queries through the batcher; each item is its JSON bytes or its exception."""
+        if not self.blend_enabled:
+            return [_EMPTY_MATCHES if err is None else err for err in _decode_errors(queries)]
+        return await self.lookups.submit_many(queries, return_exceptions=True)
+
+    def _run_lookups(self, queries: list[LookupQuery]) -> list[bytes | BaseException]:
+        """The batcher's ``run_batch`` (lookup thread): decode every ``tokens_b64`` of the batch
+        in one GIL-free kernel call, run one engine batch over the queries that decoded, and
+        encode each answer. A query that does not decode gets its ``TokenDecodeError``."""
+        index = self.directory.blend_index
+        if index is None:  # cannot happen: lookups short-circuit when disabled
+            return [_EMPTY_MATCHES] * len(queries)
+        out: list[bytes | BaseException] = [_EMPTY_MATCHES] * len(queries)
+        pending = [i for i, q in enumerate(queries) if isinstance(q[0], str)]
+        decoded: dict[int, np.ndarray] = {}
+        if pending:
+            strings = [str(queries[i][0]) for i in pending]
+            for i, got in zip(pending, decode_b64_many(strings), strict=True):
+                if isinstance(got, TokenDecodeError):
+                    out[i] = got
+                else:
+                    decoded[i] = got
+        ready = [i for i in range(len(queries)) if not isinstance(out[i], BaseException)]
+        batch = [(decoded[i] if i in decoded else queries[i][0], queries[i][1]) for i in ready]
+        results, stats = index.match_batch_detailed(batch)
+        self.metrics.observe_match(stats)
+        for i, matches in zip(ready, results, strict=True):
+            out[i] = encode_matches(matches)
+        return out
+
+    # ------------------------------------------------------------------ events and reads
+    async def run_event_task(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a directory mutation on the events thread (arrival order)."""
+        executor = self._events_executor
+        if executor is None:
+            raise ServiceUnavailable("the service is not started (or is shutting down)")
+        self._events_pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        finally:
+            self._events_pending -= 1
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a read that takes the directory lock off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Flat counts for the scrape-time gauges (takes the directory lock briefly)."""
+        stats = self.directory.stats()
+        blend = stats.get("blend_index") or {}
+        snap: dict[str, Any] = {
+            "num_keys": stats.get("keys"),
+            "num_placements": stats.get("placements"),
+            "num_bindings": stats.get("token_bindings"),
+            "queue_depth": self.lookups.queue_depth,
+            "events_queue_depth": self._events_pending,
+        }
+        for key in ("num_contents", "num_chunks", "num_claims", "num_namespaces", "memory_bytes", "table_size",
+                    "engine_failovers"):
+            if key in blend:
+                snap[key] = blend[key]
+        eng = self.engine_info()
+        snap["engine"], snap["engine_reason"] = eng["name"], eng["reason"]
+        return snap
+
+    def stats(self) -> dict[str, Any]:
+        """``GET /directory/stats``: directory counts, ``blend`` (index stats), ``engine``, ``batcher``."""
+        stats = dict(self.directory.stats())
+        stats["blend"] = stats.pop("blend_index", None) or {}
+        stats["engine"] = self.engine_info()
+        stats["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
+                            "max_batch_tokens": self.config.max_batch_tokens,
+                            "max_batch_wait_ms": self.config.max_batch_wait_ms}
+        return stats
+
+
+async def get_context(request: Request) -> ServiceContext:
+    """The app's context (the one place that reads ``app.state``). ``async`` on purpose:
+    FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per request."""
+    return request.app.state.blendmatch_context  # type: ignore[no-any-return]
+
+
+#: Route parameter type: ``async def route(ctx: Ctx)``.
+Ctx = Annotated[ServiceContext, Depends(get_context)]

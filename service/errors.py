@@ -1,0 +1,84 @@
+"""The service's errors, drawn once, and how each reaches the wire.
+
+Class tree::
+
+    ServiceError                 base; never raised itself
+    ├── RequestRejected          the caller's fault: a 4xx with a stable JSON body
+    │   ├── InvalidRequest       422: a field is missing, mistyped or undecodable
+    │   │   └── TokenDecodeError 422: tokens_b64 / token_ids cannot become uint32 ids
+    │   └── LimitExceeded        413: the body or the token count is over a configured limit
+    ├── ServiceUnavailable       503: the batcher is not running (starting up / shutting down)
+    └── BatchError               the batcher's own failures (never the caller's fault)
+        └── BatchOutputMismatch  run_batch returned a different number of results than inputs
+
+Every 4xx body is ``{"detail": "<one readable sentence naming the field>"}``; schema errors
+add ``"errors": [{"loc", "msg", "type"}]`` for machines. An unexpected exception becomes a
+JSON 500 (counted in ``blendmatch_http_internal_errors_total``); that is a bug, never a path
+for bad input. ``TokenDecodeError`` is also a ``ValueError`` so pydantic validators may raise
+it and surface it as a 422 with the same message.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ServiceError",
+    "RequestRejected",
+    "InvalidRequest",
+    "TokenDecodeError",
+    "LimitExceeded",
+    "ServiceUnavailable",
+    "BatchError",
+    "BatchOutputMismatch",
+]
+
+
+class ServiceError(Exception):
+    """Base of every error the service raises on purpose."""
+
+    status_code: int = 500
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class RequestRejected(ServiceError):
+    """The request is wrong; the caller can fix it. Maps to a 4xx."""
+
+    status_code = 400
+
+
+class InvalidRequest(RequestRejected):
+    """A field is missing, of the wrong type or cannot be decoded (422)."""
+
+    status_code = 422
+
+
+class TokenDecodeError(InvalidRequest, ValueError):
+    """``tokens_b64`` / ``token_ids`` do not decode to uint32 token ids; ``field`` names which."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+
+
+class LimitExceeded(RequestRejected):
+    """The body or the token count is over a configured limit (413)."""
+
+    status_code = 413
+
+
+class ServiceUnavailable(ServiceError):
+    """The service cannot answer now (batcher stopped or not started); retry later (503)."""
+
+    status_code = 503
+
+
+class BatchError(ServiceError):
+    """A failure of the micro-batcher itself, delivered to every request of the batch."""
+
+    status_code = 500
+
+
+class BatchOutputMismatch(BatchError):
+    """``run_batch`` returned a number of results different from the number of inputs."""

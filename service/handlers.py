@@ -1,0 +1,142 @@
+"""Exception handlers: every error leaves the service as a stable JSON body.
+
+=====================================  ======  ==============================================
+exception                              status  body
+=====================================  ======  ==============================================
+``RequestValidationError`` (pydantic)  422     ``{"detail": "body.world_size: Input should be
+                                               greater than or equal to 1, got 0", "errors":
+                                               [{"loc", "msg", "type"}]}``
+``EventValidationError`` (directory)   422     same shape; ``loc`` from the event parser
+``ServiceError`` subclasses            4xx/5xx ``{"detail": ...}`` (see ``errors.py``)
+``HTTPException`` (routing, 404, 405,  as set  ``{"detail": ...}``
+413 from the body limit)
+anything else                          500     ``{"detail": "internal error (<type>)"}``,
+                                               logged with its traceback and counted
+=====================================  ======  ==============================================
+
+The ``detail`` string names the field (its path, ``body.queries.3.token_ids``) and the bad
+value where it is short; the request's input is never echoed whole (a 4 MB body must not
+come back in an error).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from blendmatch.index.events import EventValidationError
+
+from .errors import ServiceError
+from .metrics import ServiceMetrics
+
+__all__ = ["install_error_handlers", "format_validation_errors", "service_error_response",
+           "unexpected_error_response"]
+
+log = logging.getLogger(__name__)
+
+_MAX_LISTED_ERRORS = 5
+_MAX_VALUE_REPR = 60
+
+
+def format_validation_errors(errors: Iterable[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """``(detail, errors)``: one readable sentence, and the errors without their inputs."""
+    clean: list[dict[str, Any]] = []
+    parts: list[str] = []
+    for err in errors:
+        loc = [x for x in err.get("loc", ()) if x != "__root__"]
+        path = _path(loc)
+        msg = str(err.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        etype = str(err.get("type", "value_error"))
+        if etype == "json_invalid":
+            ctx = err.get("ctx") or {}
+            msg = f"{msg}: {ctx.get('error', 'malformed JSON')}"
+            path = f"body (at character {loc[1]})" if len(loc) > 1 and isinstance(loc[1], int) else "body"
+        elif "input" in err and _is_scalar(err["input"]) and etype not in ("missing", "value_error"):
+            msg = f"{msg}, got {_short(err['input'])}"
+        clean.append({"loc": loc, "msg": msg, "type": etype})
+        if len(parts) < _MAX_LISTED_ERRORS:
+            parts.append(f"{path}: {msg}" if path else msg)
+    detail = "; ".join(parts) or "invalid request"
+    if len(clean) > _MAX_LISTED_ERRORS:
+        detail += f" (and {len(clean) - _MAX_LISTED_ERRORS} more errors)"
+    return detail, clean
+
+
+def _path(loc: list[Any]) -> str:
+    out = ""
+    for item in loc:
+        out += f".{item}" if out else str(item)
+    return out
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _short(value: Any) -> str:
+    text = "null" if value is None else repr(value)
+    return text if len(text) <= _MAX_VALUE_REPR else text[: _MAX_VALUE_REPR - 3] + "..."
+
+
+def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: str) -> JSONResponse:
+    """The response for a :class:`ServiceError` (also used by the fast path)."""
+    if exc.status_code == 503:
+        log.warning("%s: %s", where, exc.detail)
+    elif exc.status_code >= 500:
+        metrics.internal_errors.inc()
+        log.error("%s failed: %s", where, exc.detail)
+    else:
+        metrics.rejected.labels(str(exc.status_code)).inc()
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+
+
+def unexpected_error_response(exc: BaseException, metrics: ServiceMetrics, where: str) -> JSONResponse:
+    """A JSON 500 for an exception nobody expected (a bug): logged with its traceback, counted."""
+    metrics.internal_errors.inc()
+    log.error("unhandled error in %s", where, exc_info=exc)
+    return JSONResponse({"detail": f"internal error ({type(exc).__name__}); this is a bug, please report it"},
+                        status_code=500)
+
+
+def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
+    """Register the handlers of the table in the module docstring on ``app``."""
+
+    def reject(status: int, content: dict[str, Any]) -> JSONResponse:
+        metrics.rejected.labels(str(status)).inc()
+        return JSONResponse(content, status_code=status)
+
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        detail, errors = format_validation_errors(exc.errors())
+        return reject(422, {"detail": detail, "errors": errors})
+
+    async def on_event_validation(request: Request, exc: EventValidationError) -> JSONResponse:
+        loc = ["body", *exc.loc]
+        detail = f"{_path(loc)}: {exc.reason}"
+        return reject(422, {"detail": detail, "errors": [{"loc": loc, "msg": exc.reason, "type": "value_error"}]})
+
+    async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return service_error_response(exc, metrics, f"{request.method} {request.url.path}")
+
+    async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+        headers = getattr(exc, "headers", None)
+        content = {"detail": exc.detail if isinstance(exc.detail, str) else str(exc.detail)}
+        if exc.status_code >= 500:
+            return JSONResponse(content, status_code=exc.status_code, headers=headers)
+        metrics.rejected.labels(str(exc.status_code)).inc()
+        return JSONResponse(content, status_code=exc.status_code, headers=headers)
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return unexpected_error_response(exc, metrics, f"{request.method} {request.url.path}")
+
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(EventValidationError, on_event_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,528 @@
+"""``blendmatch loadtest``: drive a server over loopback and report what it sustains.
+
+What one run does (``blendmatch loadtest --spawn --compare``, the default):
+
+1. for each server configuration, *batching* (the default ``--max-batch-tokens``) and
+   *no batching* (``--max-batch-tokens`` equal to one request's tokens), start
+   ``blendmatch serve`` as a subprocess on ``127.0.0.1`` (a free port);
+2. fill it with ``--chunks`` stored chunks through ``POST /events`` (STORE batches);
+3. measure, each phase ``--duration`` seconds with ``--clients`` concurrent closed-loop
+   clients on keep-alive connections:
+   - ``healthz``: ``GET /healthz``, the ceiling of this load generator plus the HTTP stack
+     (only for the first configuration: it does not depend on batching);
+   - ``lookup``: ``POST /directory/blend-lookup`` with ``--tokens``-token queries
+     (``tokens_b64``), each containing ``--matches-per-query`` stored chunks;
+   - ``lookup+events``: the same while one more client streams STORE events at
+     ``--event-rate`` entries per second (``--event-batch`` entries per request);
+4. print one table: requests/s, tokens/s, p50/p99 latency, errors, and the mean batch the
+   server formed in that phase (from ``GET /directory/stats`` before and after).
+
+With ``--url http://127.0.0.1:PORT`` it measures a server you started instead (no
+comparison; it fills only with ``--fill``). Only loopback addresses are accepted, and every
+phase is bounded in time (``--duration``) and in count (``--max-requests``).
+
+The client is raw asyncio sockets (HTTP/1.1 keep-alive, pre-encoded requests, uvloop when
+available), not httpx: on a 2-core machine the generator shares the CPU with the server,
+and httpx costs several times more CPU per request. The ``healthz`` row shows what the
+generator itself can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import numpy as np
+
+__all__ = ["main", "spawn_server", "stop_server", "PhaseResult", "LOOPBACK_HOSTS"]
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+MODEL = "loadtest-model"
+_FILL_BATCH = 2000  # entries per fill request (~3 MB of JSON at 256 tokens)
+
+
+# ---------------------------------------------------------------------- server process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_server(args: Sequence[str], *, log_path: str | os.PathLike | None = None,
+                 timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """Start ``blendmatch serve --host 127.0.0.1 --port <free> *args``; wait for /healthz.
+
+    Returns ``(process, base_url)``. Output goes to ``log_path`` (or is discarded). Raises
+    ``RuntimeError`` with the log's tail if the server exits or does not answer in time.
+    """
+    port = _free_port()
+    cmd = [sys.executable, "-m", "blendmatch", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    if log_path is not None:
+        with open(log_path, "wb") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.1)
+    stop_server(proc)
+    tail = Path(log_path).read_text(errors="replace")[-2000:] if log_path is not None else ""
+    raise RuntimeError(f"server did not come up ({' '.join(cmd)}):\n{tail}")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGINT (uvicorn's graceful shutdown), then SIGKILL after ``timeout``; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
+
+
+# ---------------------------------------------------------------------- raw HTTP client
+class Conn:
+    """One keep-alive HTTP/1.1 connection; requests are pre-encoded bytes."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> "Conn":
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 24)
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        if self.writer is None or self.reader is None:
+            await self.open()
+        assert self.writer is not None and self.reader is not None
+        self.writer.write(raw)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        i = lower.find(b"content-length:")
+        if i < 0:
+            raise RuntimeError(f"response without content-length: {head[:200]!r}")
+        n = int(lower[i + 15:lower.index(b"\r\n", i)])
+        body = await self.reader.readexactly(n) if n else b""
+        if b"connection: close" in lower:
+            await self.close()
+        return status, body
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            try:
+                await self.writer.wait_closed()
+            except OSError:
+                pass
+        self.reader = self.writer = None
+
+
+def _post(host: str, path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _get(host: str, path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+
+# ---------------------------------------------------------------------- workload
+@dataclass
+class Workload:
+    """Deterministic data: stored chunks and the queries built from them."""
+
+    chunk_size: int
+    chunks: int
+    tokens: int
+    matches_per_query: int
+    seed: int = 0
+    pool: int = 64
+
+    def block(self, b: int) -> np.ndarray:
+        """Chunks ``b * _FILL_BATCH ...`` (one fill request's worth), deterministic."""
+        rng = np.random.default_rng([self.seed, b])
+        n = min(_FILL_BATCH, self.chunks - b * _FILL_BATCH)
+        return rng.integers(0, 50_000, size=(n, self.chunk_size), dtype=np.uint32)
+
+    def fill_bodies(self, first_seq: int = 1) -> list[bytes]:
+        bodies = []
+        seq = first_seq
+        for b, start in enumerate(range(0, self.chunks, _FILL_BATCH)):
+            rows = self.block(b)
+            entries = [_entry(start + j, row, ((start + j) % 64) * self.chunk_size) for j, row in enumerate(rows)]
+            bodies.append(_events_body("loadtest-fill", seq, entries))
+            seq += 1
+        return bodies
+
+    def queries(self) -> list[np.ndarray]:
+        """``pool`` queries of ``tokens`` filler ids (>= 60,000: never stored) with
+        :meth:`expected_matches` stored chunks, each at a random offset inside its own
+        ``2 * chunk_size`` slot (so they never overlap and rarely align to chunk boundaries)."""
+        rng = np.random.default_rng([self.seed, 1 << 40])
+        out = []
+        c = self.chunk_size
+        k = self.expected_matches()
+        for _ in range(self.pool):
+            q = rng.integers(60_000, 100_000, size=self.tokens, dtype=np.uint32)
+            for slot in rng.choice(self.tokens // (2 * c), size=k, replace=False) if k else ():
+                i = int(rng.integers(self.chunks))
+                pos = int(slot) * 2 * c + int(rng.integers(0, c + 1))
+                q[pos:pos + c] = self.block(i // _FILL_BATCH)[i % _FILL_BATCH]
+            out.append(q)
+        return out
+
+    def expected_matches(self) -> int:
+        """Stored chunks inside each query (each is a match)."""
+        return min(self.matches_per_query, self.tokens // (2 * self.chunk_size)) if self.chunks else 0
+
+
+def _entry(i: int, row: np.ndarray, offset: int, model: str = MODEL) -> str:
+    return ('{"key":{"chunk_hash_hex":"%032x","model_name":"%s","kv_rank":16777216,"object_group_id":0,'
+            '"cache_salt":""},"size_bytes":1048576,"token_offset":%d,"token_ids":[%s]}'
+            % (i, model, offset, ",".join(map(str, row.tolist()))))
+
+
+def _events_body(instance: str, seq: int, entries: list[str]) -> bytes:
+    return ('{"batches":[{"instance_id":"%s","incarnation":0,"seq":%d,"event_type":"store","tier":"l1",'
+            '"backend":"LocalCPUBackend","entries":[%s]}]}' % (instance, seq, ",".join(entries))).encode()
+
+
+# ---------------------------------------------------------------------- phases
+@dataclass
+class PhaseResult:
+    config: str
+    phase: str
+    clients: int
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    tokens_per_s: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    mean_batch: float | None = None
+    events_sent: int = 0
+    event_entries_per_s: float = 0.0
+    event_p99_ms: float = 0.0
+    event_errors: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+async def _closed_loop(host: str, port: int, requests: list[bytes], clients: int, duration: float,
+                       max_requests: int, check: Any = None) -> tuple[list[float], int, float]:
+    """``clients`` connections, each sending requests back to back until time or count runs
+    out. Returns (latencies in s, errors, wall seconds)."""
+    latencies: list[float] = []
+    errors = 0
+    budget = [max_requests]
+    conns = [await Conn(host, port).open() for _ in range(clients)]
+    t_end = time.perf_counter() + duration
+
+    async def one(ci: int) -> None:
+        nonlocal errors
+        conn = conns[ci]
+        k = ci
+        n = len(requests)
+        while time.perf_counter() < t_end and budget[0] > 0:
+            budget[0] -= 1
+            raw = requests[k % n]
+            k += clients
+            t0 = time.perf_counter()
+            try:
+                status, body = await conn.request(raw)
+            except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError):
+                errors += 1
+                await conn.close()
+                continue
+            latencies.append(time.perf_counter() - t0)
+            if status != 200 or (check is not None and not check(body)):
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(clients)))
+    wall = time.perf_counter() - t0
+    for c in conns:
+        await c.close()
+    return latencies, errors, wall
+
+
+async def _event_stream(host: str, port: int, rate: float, batch: int, chunk_size: int, stop: asyncio.Event,
+                        first_id: int, seed: int) -> tuple[int, list[float], int]:
+    """STORE events at ``rate`` entries/s in requests of ``batch`` entries, paced by the
+    clock (a slow server makes it fall behind, which the achieved rate shows)."""
+    conn = await Conn(host, port).open()
+    interval = batch / rate
+    rng = np.random.default_rng(seed)
+    sent = 0
+    errors = 0
+    lat: list[float] = []
+    seq = 1
+    instance = f"loadtest-stream-{seed}"
+    next_at = time.perf_counter()
+    i = first_id
+    while not stop.is_set():
+        rows = rng.integers(0, 50_000, size=(batch, chunk_size), dtype=np.uint32)
+        body = _events_body(instance, seq, [_entry(i + j, rows[j], 0) for j in range(batch)])
+        raw = _post(host, "/events", body)
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                break
+            except asyncio.TimeoutError:
+                pass
+        t0 = time.perf_counter()
+        try:
+            status, _ = await conn.request(raw)
+            errors += status != 200
+        except (OSError, asyncio.IncompleteReadError, RuntimeError):
+            errors += 1
+            await conn.close()
+        lat.append(time.perf_counter() - t0)
+        sent += batch
+        seq += 1
+        i += batch
+        next_at += interval
+    await conn.close()
+    return sent, lat, errors
+
+
+async def _stats(host: str, port: int) -> dict[str, Any]:
+    conn = await Conn(host, port).open()
+    try:
+        status, body = await conn.request(_get(host, "/directory/stats"))
+        if status != 200:
+            raise RuntimeError(f"/directory/stats answered {status}: {body[:200]!r}")
+        return json.loads(body)
+    finally:
+        await conn.close()
+
+
+def _pct(lat: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(lat), q) * 1e3) if lat else float("nan")
+
+
+async def run_phase(host: str, port: int, *, config: str, phase: str, requests: list[bytes], tokens: int,
+                    clients: int, duration: float, max_requests: int, event_rate: float = 0.0,
+                    event_batch: int = 50, chunk_size: int = 256, check: Any = None,
+                    event_first_id: int = 1 << 60) -> PhaseResult:
+    before = await _stats(host, port) if tokens else None
+    stop = asyncio.Event()
+    stream = None
+    if event_rate > 0:
+        stream = asyncio.create_task(_event_stream(host, port, event_rate, event_batch, chunk_size, stop,
+                                                   event_first_id, seed=event_first_id & 0xFFFF))
+    lat, errors, wall = await _closed_loop(host, port, requests, clients, duration, max_requests, check)
+    stop.set()
+    sent, ev_lat, ev_err = await stream if stream is not None else (0, [], 0)
+    res = PhaseResult(config, phase, clients, len(lat), errors, wall, len(lat) / wall, len(lat) * tokens / wall,
+                      _pct(lat, 50), _pct(lat, 99), _pct(lat, 100))
+    if before is not None:
+        after = await _stats(host, port)
+        b0, b1 = before["batcher"], after["batcher"]
+        batches = b1["batches"] - b0["batches"]
+        res.mean_batch = (b1["queries"] - b0["queries"]) / batches if batches else None
+    if stream is not None:
+        res.events_sent, res.event_entries_per_s = sent, sent / wall
+        res.event_p99_ms, res.event_errors = _pct(ev_lat, 99), ev_err
+    return res
+
+
+async def fill(host: str, port: int, workload: Workload) -> float:
+    """Store ``workload.chunks`` chunks; returns seconds taken (server side included)."""
+    conn = await Conn(host, port).open()
+    t0 = time.perf_counter()
+    try:
+        for body in workload.fill_bodies():
+            status, resp = await conn.request(_post(host, "/events", body))
+            if status != 200:
+                raise RuntimeError(f"fill failed: {status} {resp[:300]!r}")
+    finally:
+        await conn.close()
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------- orchestration
+def _lookup_requests(host: str, workload: Workload) -> list[bytes]:
+    import base64
+
+    reqs = []
+    for q in workload.queries():
+        body = json.dumps({"tokens_b64": base64.b64encode(q.astype("<u4").tobytes()).decode(),
+                           "model_name": MODEL}).encode()
+        reqs.append(_post(host, "/directory/blend-lookup", body))
+    return reqs
+
+
+def _make_check(expect_min: int):
+    def check(body: bytes) -> bool:
+        return body.count(b'"cur_st"') >= expect_min
+
+    return check
+
+
+async def _measure(url: str, config_name: str, args: argparse.Namespace, workload: Workload, *,
+                   healthz: bool, fill_first: bool) -> list[PhaseResult]:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", int(parts.port or 80)
+    hosthdr = f"{host}:{port}"
+    results: list[PhaseResult] = []
+    if fill_first and workload.chunks:
+        secs = await fill(host, port, workload)
+        print(f"[{config_name}] stored {workload.chunks} chunks in {secs:.1f} s "
+              f"({workload.chunks / secs:,.0f} entries/s)", flush=True)
+    requests = _lookup_requests(hosthdr, workload)
+    check = _make_check(workload.expected_matches())
+    common = dict(clients=args.clients, max_requests=args.max_requests, chunk_size=workload.chunk_size)
+    # warm-up: every query once, checked (also pays any first-use cost)
+    lat, errors, _ = await _closed_loop(host, port, requests, min(args.clients, len(requests)), 60.0,
+                                        len(requests), check)
+    if errors:
+        raise RuntimeError(f"[{config_name}] warm-up lookups failed or missed their stored chunks ({errors})")
+    if healthz:
+        results.append(await run_phase(host, port, config=config_name, phase="healthz",
+                                       requests=[_get(hosthdr, "/healthz")], tokens=0,
+                                       duration=min(args.duration, 5.0), **common))
+        print(_row(results[-1]), flush=True)
+    results.append(await run_phase(host, port, config=config_name, phase="lookup", requests=requests,
+                                   tokens=workload.tokens, duration=args.duration, check=check, **common))
+    print(_row(results[-1]), flush=True)
+    if args.event_rate > 0:
+        results.append(await run_phase(host, port, config=config_name, phase="lookup+events", requests=requests,
+                                       tokens=workload.tokens, duration=args.duration, check=check,
+                                       event_rate=args.event_rate, event_batch=args.event_batch,
+                                       event_first_id=(1 << 60) + len(results) * (1 << 40), **common))
+        print(_row(results[-1]), flush=True)
+    return results
+
+
+_HEADER = ("| config | phase | clients | req/s | tokens/s | p50 ms | p99 ms | max ms | errors | mean batch | "
+           "events/s | event p99 ms |")
+
+
+def _row(r: PhaseResult) -> str:
+    mb = f"{r.mean_batch:.1f}" if r.mean_batch is not None else "-"
+    ev = f"{r.event_entries_per_s:,.0f}" if r.events_sent else "-"
+    evp = f"{r.event_p99_ms:.1f}" if r.events_sent else "-"
+    tps = f"{r.tokens_per_s / 1e6:.2f} M" if r.tokens_per_s else "-"
+    return (f"| {r.config} | {r.phase} | {r.clients} | {r.rps:,.0f} | {tps} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | "
+            f"{r.max_ms:.1f} | {r.errors + r.event_errors} | {mb} | {ev} | {evp} |")
+
+
+def table(results: list[PhaseResult]) -> str:
+    sep = "|" + "---|" * (_HEADER.count("|") - 1)
+    return "\n".join([_HEADER, sep, *(_row(r) for r in results)])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blendmatch loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--spawn", action="store_true", default=True,
+                       help="start the server(s) as subprocesses on 127.0.0.1 (default)")
+    where.add_argument("--url", help="measure a running server instead (loopback only)")
+    p.add_argument("--no-compare", dest="compare", action="store_false",
+                   help="with --spawn: measure only the batching configuration")
+    p.add_argument("--engine", default="cpu", help="--engine of spawned servers (default %(default)s)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for spawned servers (repeatable), e.g. --server-arg=--max-batch-wait-ms=1")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per lookup (default %(default)s)")
+    p.add_argument("--chunks", type=int, default=100_000, help="chunks stored before measuring")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--matches-per-query", type=int, default=4, help="stored chunks inside each query")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per phase (default %(default)s)")
+    p.add_argument("--max-requests", type=int, default=2_000_000, help="request cap per phase")
+    p.add_argument("--event-rate", type=float, default=1000.0,
+                   help="STORE entries/s during the lookup+events phase; 0 skips it (default %(default)s)")
+    p.add_argument("--event-batch", type=int, default=50, help="entries per event request (default %(default)s)")
+    p.add_argument("--fill", action="store_true", help="with --url: store --chunks chunks first")
+    p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--server-log-dir", help="keep spawned servers' logs here")
+    return p
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("clients", "tokens", "chunk_size", "event_batch", "max_requests"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"blendmatch loadtest: --{name.replace('_', '-')} must be >= 1")
+    if args.duration <= 0 or args.duration > 600:
+        raise SystemExit("blendmatch loadtest: --duration must be in (0, 600] seconds")
+    workload = Workload(args.chunk_size, args.chunks, args.tokens, args.matches_per_query)
+    _use_uvloop()
+    results: list[PhaseResult] = []
+    print(f"clients {args.clients}, {args.tokens}-token lookups, {args.chunks} chunks of {args.chunk_size}, "
+          f"{args.duration:g} s per phase, events {args.event_rate:g}/s; CPUs: {os.cpu_count()}", flush=True)
+    if args.url:
+        host = urlsplit(args.url).hostname
+        if host not in LOOPBACK_HOSTS:
+            raise SystemExit(f"blendmatch loadtest: only loopback servers may be driven, got {host!r}")
+        results += asyncio.run(_measure(args.url, "as running", args, workload, healthz=True, fill_first=args.fill))
+    else:
+        configs: list[tuple[str, list[str]]] = [("batching", [])]
+        if args.compare:
+            configs.append(("no batching", ["--max-batch-tokens", str(args.tokens)]))
+        for i, (name, extra) in enumerate(configs):
+            log_path = (Path(args.server_log_dir) / f"server-{i}.log") if args.server_log_dir else None
+            if log_path is not None:
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+            server_args = ["--engine", args.engine, "--chunk-size", str(args.chunk_size), "--log-level", "warning",
+                           *args.server_arg, *extra]
+            proc, url = spawn_server(server_args, log_path=log_path)
+            try:
+                results += asyncio.run(_measure(url, name, args, workload, healthz=(i == 0), fill_first=True))
+            finally:
+                stop_server(proc)
+    print()
+    print(table(results))
+    by = {(r.config, r.phase): r for r in results}
+    if ("batching", "lookup") in by and ("no batching", "lookup") in by:
+        ratio = by[("batching", "lookup")].rps / max(by[("no batching", "lookup")].rps, 1e-9)
+        print(f"\nbatching / no batching, lookup requests/s: {ratio:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    bad = sum(r.errors + r.event_errors for r in results)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Prometheus metrics: one private ``CollectorRegistry`` per app, every name ``blendmatch_``.
+
+Why a private registry: two apps in one process (tests, an embedded server) must not share
+or double-register series. ``GET /metrics`` renders this registry only.
+
+Two kinds of series:
+
+- *event-driven* (histograms and counters), updated where the work happens: the batcher's
+  observer (batch size in queries and tokens, queue wait, batch run time, dropped requests),
+  the lookup runner on the executor thread (engine and verification time, windows probed,
+  survivors, matches, verification rejections by reason), the routes (lookup latency,
+  events applied / duplicate / stale, rejected requests by status, internal errors);
+- *scrape-time* gauges read from the directory and the index by a custom collector
+  (contents, chunks, claims, keys, placements, memory, queue depth, engine in use and
+  failovers). Those reads take the directory / index locks briefly; both keep counts
+  incrementally, so a scrape costs O(1), not a walk.
+
+Histogram buckets: latency buckets span 100 us .. 10 s (a lookup is ~1 ms); batch-size
+buckets are powers of two up to 4096 queries and 2^24 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from .batcher import BatchRecord
+
+__all__ = ["ServiceMetrics", "CONTENT_TYPE"]
+
+#: The Prometheus text exposition format served by ``GET /metrics``.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 10.0)
+_QUERY_BUCKETS = tuple(float(1 << i) for i in range(13))  # 1 .. 4096
+_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(8, 25, 2))  # 256 .. 16M
+
+
+class _ScrapeCollector(Collector):
+    """Gauges read at scrape time from ``snapshot()`` (a dict; missing keys are skipped)."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Any]:
+        try:
+            snap = self._snapshot()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because a read did
+            return
+        gauges = {
+            "index_contents": ("distinct chunk contents in the blend index", "num_contents"),
+            "index_chunks": ("chunk hashes (occupants) in the blend index", "num_chunks"),
+            "index_claims": ("namespace claims in the blend index", "num_claims"),
+            "index_namespaces": ("namespaces holding at least one claim", "num_namespaces"),
+            "index_memory_bytes": ("resident bytes of the blend index (tokens included)", "memory_bytes"),
+            "index_table_slots": ("slots in the slot array", "table_size"),
+            "directory_keys": ("keys with at least one placement", "num_keys"),
+            "directory_placements": ("placements across all keys", "num_placements"),
+            "directory_bindings": ("chunk-hash token bindings", "num_bindings"),
+            "lookup_queue_depth": ("lookups waiting for a batch", "queue_depth"),
+            "events_queue_depth": ("event requests waiting for the event thread", "events_queue_depth"),
+        }
+        for name, (doc, key) in gauges.items():
+            value = snap.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                g = GaugeMetricFamily(f"blendmatch_{name}", doc)
+                g.add_metric([], float(value))
+                yield g
+        failovers = snap.get("engine_failovers")
+        if isinstance(failovers, int):
+            c = CounterMetricFamily("blendmatch_engine_failovers", "GPU -> CPU engine failovers")
+            c.add_metric([], float(failovers))
+            yield c
+        engine = snap.get("engine")
+        if isinstance(engine, str):
+            info = InfoMetricFamily("blendmatch_engine", "the probe engine in use and why it was chosen")
+            info.add_metric([], {"name": engine, "reason": str(snap.get("engine_reason", ""))})
+            yield info
+
+
+class ServiceMetrics:
+    """All series of one app. Thread-safe (prometheus-client's metrics are)."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lookup_latency = Histogram(
+            "blendmatch_lookup_latency_seconds", "lookup request time, body parsed to response built",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        # children resolved once: ``labels()`` takes a lock and a dict lookup per call (hot path)
+        self.lookup_latency_single = self.lookup_latency.labels("single")
+        self.lookup_latency_batch = self.lookup_latency.labels("batch")
+        self.batch_queries = Histogram(
+            "blendmatch_batch_queries", "queries per engine batch", buckets=_QUERY_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "blendmatch_batch_tokens", "tokens per engine batch", buckets=_TOKEN_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "blendmatch_queue_wait_seconds", "time a lookup waited for its batch to start",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_seconds = Histogram(
+            "blendmatch_batch_seconds", "time one batch ran on the executor thread",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.engine_seconds = Histogram(
+            "blendmatch_engine_seconds", "engine probe time per batch", buckets=_LATENCY_BUCKETS, registry=r)
+        self.verify_seconds = Histogram(
+            "blendmatch_verify_seconds", "host verification time per batch", buckets=_LATENCY_BUCKETS, registry=r)
+        self.batches = Counter("blendmatch_batches", "engine batches run", ["outcome"], registry=r)
+        self.busy_seconds = Counter(
+            "blendmatch_batcher_busy_seconds", "seconds the lookup executor spent running batches", registry=r)
+        self.lookups = Counter("blendmatch_lookups", "lookup queries answered", registry=r)
+        self.lookup_tokens = Counter("blendmatch_lookup_tokens", "tokens in lookup queries", registry=r)
+        self.dropped = Counter(
+            "blendmatch_lookups_dropped", "lookups dropped because their caller cancelled", registry=r)
+        self.windows = Counter("blendmatch_windows_probed", "windows the engine probed", registry=r)
+        self.survivors = Counter("blendmatch_survivors", "windows that survived the slot probe", registry=r)
+        self.matches = Counter("blendmatch_matches", "matches returned", registry=r)
+        self.rejections = Counter(
+            "blendmatch_verify_rejections", "survivors that produced no match", ["reason"], registry=r)
+        self.events = Counter(
+            "blendmatch_event_batches", "cache-event batches by outcome", ["result"], registry=r)
+        self.event_seconds = Histogram(
+            "blendmatch_event_apply_seconds", "time to apply one POST /events body",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter(
+            "blendmatch_http_rejected", "requests answered with a 4xx", ["status"], registry=r)
+        self.internal_errors = Counter(
+            "blendmatch_http_internal_errors", "requests answered with a 500 (a bug)", registry=r)
+        for label in ("applied", "duplicate", "stale"):
+            self.events.labels(label)
+        for label in ("ok", "failed"):
+            self.batches.labels(label)
+        for label in ("dict_miss", "namespace", "tokens"):
+            self.rejections.labels(label)
+        if snapshot is not None:
+            self.registry.register(_ScrapeCollector(snapshot))
+
+    # ------------------------------------------------------------------ observers
+    def observe_batch(self, record: BatchRecord) -> None:
+        """The batcher's observer (runs on the event loop)."""
+        if record.dropped:
+            self.dropped.inc(record.dropped)
+        if not record.queries:
+            return
+        self.batch_queries.observe(record.queries)
+        self.batch_tokens.observe(record.tokens)
+        for w in record.queue_waits:
+            self.queue_wait.observe(w)
+        self.batch_seconds.observe(record.run_s)
+        self.busy_seconds.inc(record.run_s)
+        self.batches.labels("failed" if record.failed else "ok").inc()
+
+    def observe_match(self, stats: Any) -> None:
+        """Record a ``MatchStats`` (runs on the executor thread)."""
+        self.lookups.inc(stats.queries)
+        self.lookup_tokens.inc(stats.tokens)
+        self.windows.inc(stats.windows)
+        self.survivors.inc(stats.survivors)
+        self.matches.inc(stats.matches)
+        self.engine_seconds.observe(stats.engine_s)
+        self.verify_seconds.observe(stats.verify_s)
+        self.rejections.labels("dict_miss").inc(getattr(stats, "dict_misses", 0))
+        self.rejections.labels("namespace").inc(getattr(stats, "ns_filtered", 0))
+        self.rejections.labels("tokens").inc(getattr(stats, "token_rejections", 0))
+
+    def observe_events(self, applied: int, duplicates: int, stale: int, seconds: float) -> None:
+        self.events.labels("applied").inc(applied)
+        self.events.labels("duplicate").inc(duplicates)
+        self.events.labels("stale").inc(stale)
+        self.event_seconds.observe(seconds)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,94 @@
+"""Blend lookups: ``POST /directory/blend-lookup`` (LMCache) and ``.../batch`` (ours).
+
+The route bodies are ``answer_lookup`` / ``answer_lookup_batch``, which the fast path
+(``fastpath.py``) calls too. The schema checks the body's shape (422 naming the field); the
+token count is checked against ``--max-request-tokens`` (413); the query goes through the
+micro-batcher (``ctx.lookup`` / ``ctx.lookup_many``), whose thread decodes ``tokens_b64``
+(a string that does not decode is a 422 naming the field, e.g. ``body.queries.3.tokens_b64``)
+and encodes the answer, so no per-match model objects are built on the event loop. With
+blend lookup disabled every query answers ``{"matches": []}`` (bad input is still a 422).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from .context import Ctx, LookupQuery, ServiceContext, query_tokens
+from .errors import InvalidRequest, TokenDecodeError
+from .schemas import (
+    BlendBatchLookupRequest,
+    BlendBatchLookupResponse,
+    BlendLookupRequest,
+    BlendLookupResponse,
+    ErrorResponse,
+)
+from .tokens import decode_tokens
+
+__all__ = ["router", "ERROR_RESPONSES", "answer_lookup", "answer_lookup_batch", "query_of"]
+
+router = APIRouter(tags=["lookup"])
+
+#: Error responses documented on every route that takes a body.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    413: {"model": ErrorResponse, "description": "body or token count over a configured limit"},
+    422: {"model": ErrorResponse, "description": "missing, mistyped or undecodable field"},
+}
+
+
+def query_of(body: BlendLookupRequest, where: str = "body") -> LookupQuery:
+    """The batcher's form of one request: ``token_ids`` decoded here (they are Python ints
+    already), ``tokens_b64`` left for the lookup thread to decode with its batch."""
+    if body.tokens_b64 is not None:
+        return body.tokens_b64, body.namespace
+    try:
+        return decode_tokens(token_ids=body.token_ids), body.namespace
+    except TokenDecodeError as exc:
+        raise InvalidRequest(f"{where}.{exc.detail}") from None
+
+
+async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest) -> bytes:
+    """The answer to one validated blend lookup (shared by the route and the fast path)."""
+    t0 = time.perf_counter()
+    query = query_of(body)
+    ctx.check_tokens(query_tokens(query))
+    try:
+        payload = await ctx.lookup(query)
+    except TokenDecodeError as exc:
+        raise InvalidRequest(f"body.{exc.detail}") from None
+    ctx.metrics.lookup_latency_single.observe(time.perf_counter() - t0)
+    return payload
+
+
+async def answer_lookup_batch(ctx: ServiceContext, body: BlendBatchLookupRequest) -> bytes:
+    """The answer to one validated batch lookup (shared by the route and the fast path)."""
+    t0 = time.perf_counter()
+    queries = [query_of(q, f"body.queries.{i}") for i, q in enumerate(body.queries)]
+    ctx.check_tokens(sum(query_tokens(q) for q in queries))
+    parts = await ctx.lookup_many(queries)
+    for i, part in enumerate(parts):
+        if isinstance(part, TokenDecodeError):
+            raise InvalidRequest(f"body.queries.{i}.{part.detail}")
+        if isinstance(part, BaseException):
+            raise part
+    ctx.metrics.lookup_latency_batch.observe(time.perf_counter() - t0)
+    return b'{"results":[' + b",".join(parts) + b"]}"  # type: ignore[arg-type]
+
+
+@router.post("/directory/blend-lookup", response_model=BlendLookupResponse, responses=ERROR_RESPONSES)
+async def blend_lookup(body: BlendLookupRequest, ctx: Ctx) -> Response:
+    """Which stored chunks does this token sequence contain, and where (for this namespace)?
+
+    Matches come in ascending ``cur_st``, at most one per chunk hash; they may overlap
+    (``blendmatch.service.client.resolve_overlaps`` picks a non-overlapping set).
+    """
+    return Response(await answer_lookup(ctx, body), media_type="application/json")
+
+
+@router.post("/directory/blend-lookup/batch", response_model=BlendBatchLookupResponse, responses=ERROR_RESPONSES)
+async def blend_lookup_batch(body: BlendBatchLookupRequest, ctx: Ctx) -> Response:
+    """Many queries, each with its own namespace, in one request: ``results[i]`` answers
+    ``queries[i]``. The token limit applies to the sum over all queries."""
+    return Response(await answer_lookup_batch(ctx, body), media_type="application/json")

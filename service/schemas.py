@@ -1,0 +1,237 @@
+"""HTTP request and response models: the wire contract (LMCache's shapes where they exist).
+
+Lookups (``POST /directory/blend-lookup``, LMCache-compatible; ``.../batch`` is ours):
+request ``{tokens_b64 | token_ids, model_name, world_size=1, cache_salt=""}`` -> response
+``{"matches": [{"chunk_hash": "<lowercase hex>", "old_st": int, "cur_st": int}]}`` in
+ascending ``cur_st`` (several chunks may share a ``cur_st``; matches may overlap, see
+``blendmatch.service.client.resolve_overlaps``).
+
+Validation is strict (no coercion): ``"2"`` is not a world size, ``true`` is not a token id,
+``1.0`` is not an integer. Unknown fields are ignored (forward compatibility with newer
+clients). The models check shapes and types; the token *content* is decoded by
+:mod:`blendmatch.service.tokens` (``token_ids`` on the event loop, ``tokens_b64`` on the
+lookup thread for a whole batch at once), and a decoding failure is a 422 whose message
+names the field, like a schema error. The token-count limit (413) needs the server's
+configuration and is checked by the route.
+
+The cache-event wire model lives in :mod:`blendmatch.index.events` (the directory owns it;
+``POST /events`` hands raw bytes to it); the key model of ``/directory/lookup`` reuses its
+``ObjectKeyModel``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from blendmatch.index.events import ObjectKeyModel
+from blendmatch.index.types import BlendMatch, BlendNamespace
+
+
+__all__ = [
+    "BlendLookupRequest",
+    "BlendLookupResponse",
+    "BlendMatchModel",
+    "BlendBatchLookupRequest",
+    "BlendBatchLookupResponse",
+    "CacheEventsResponse",
+    "DirectoryKeyInfo",
+    "DirectoryKeyPlacements",
+    "DirectoryListResponse",
+    "DirectoryLookupRequest",
+    "DirectoryLookupResponse",
+    "DirectoryStatsResponse",
+    "EncodedObjectKey",
+    "EngineInfo",
+    "MAX_LOOKUP_KEYS",
+    "PlacementModel",
+    "HealthResponse",
+    "ErrorResponse",
+    "MAX_BATCH_QUERIES",
+    "matches_to_wire",
+]
+
+#: Most queries one ``/directory/blend-lookup/batch`` request may carry. Each query costs a
+#: future and a result object even when empty; tokens are bounded separately (413).
+MAX_BATCH_QUERIES = 65_536
+#: Most keys one ``/directory/lookup`` request may resolve.
+MAX_LOOKUP_KEYS = 65_536
+
+
+class BlendLookupRequest(BaseModel):
+    """Body of ``POST /directory/blend-lookup`` (and one query of the batch endpoint).
+
+    Exactly one of ``tokens_b64`` (standard base64 of little-endian uint32 ids) or
+    ``token_ids`` (a JSON list of ints in 0..2^32-1). The namespace
+    ``(model_name, cache_salt, world_size)`` scopes matches to chunks the caller stored.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    tokens_b64: str | None = Field(default=None, description="base64 of little-endian uint32 token ids")
+    token_ids: list[StrictInt] | None = Field(default=None, description="token ids (0..2^32-1)")
+    model_name: str = Field(min_length=1, description="model the KV belongs to (required)")
+    world_size: int = Field(default=1, ge=1, description="parallel world size of the requester")
+    cache_salt: str = Field(default="", description="per-tenant isolation salt")
+
+    @model_validator(mode="after")
+    def _one_token_form(self) -> "BlendLookupRequest":
+        if (self.tokens_b64 is None) == (self.token_ids is None):
+            which = "both were given" if self.tokens_b64 is not None else "neither was given"
+            raise ValueError(f"give exactly one of tokens_b64 / token_ids; {which}")
+        return self
+
+    @property
+    def namespace(self) -> BlendNamespace:
+        return BlendNamespace(self.model_name, self.cache_salt, self.world_size)
+
+
+class BlendMatchModel(BaseModel):
+    """One match: ``chunk_hash`` (lowercase hex), ``old_st`` (stored position, the re-RoPE
+    source) and ``cur_st`` (position in the query, the re-RoPE target)."""
+
+    chunk_hash: str
+    old_st: int
+    cur_st: int
+
+
+class BlendLookupResponse(BaseModel):
+    """Matches in ascending ``cur_st``, at most one per chunk hash; they may overlap."""
+
+    matches: list[BlendMatchModel] = Field(default_factory=list)
+
+
+class BlendBatchLookupRequest(BaseModel):
+    """Body of ``POST /directory/blend-lookup/batch``: many queries, each with its own
+    namespace. Answered as one result per query, in order."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    queries: Annotated[list[BlendLookupRequest], Field(max_length=MAX_BATCH_QUERIES)]
+
+
+class BlendBatchLookupResponse(BaseModel):
+    """``results[i]`` answers ``queries[i]``."""
+
+    results: list[BlendLookupResponse]
+
+
+class CacheEventsResponse(BaseModel):
+    """``POST /events``: batches applied, dropped as replays, dropped as stale incarnations."""
+
+    applied: int = 0
+    duplicates: int = 0
+    stale: int = 0
+
+
+class EncodedObjectKey(BaseModel):
+    """An object key on the wire (LMCache's ``EncodedObjectKey``): ``chunk_hash`` as hex."""
+
+    chunk_hash_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+
+class PlacementModel(BaseModel):
+    """One copy of a key. A shared-pool placement has ``instance_id ""`` and ``shared``."""
+
+    instance_id: str
+    incarnation: int
+    tier: str
+    backend: str
+    size_bytes: int
+    shared: bool = False
+
+
+class DirectoryLookupRequest(BaseModel):
+    """Body of ``POST /directory/lookup``, the keys form: resolve these keys to placements.
+
+    LMCache's tokens form (``token_ids`` hashed with the fleet's token hasher) is not
+    supported: blendmatch has no token hasher. Send keys, or use a blend lookup.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    keys: Annotated[list[ObjectKeyModel], Field(max_length=MAX_LOOKUP_KEYS)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tokens_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "keys" not in data and "token_ids" in data:
+            raise ValueError("the token_ids form of /directory/lookup is not supported (blendmatch has no "
+                             "token hasher); send 'keys', or use /directory/blend-lookup")
+        return data
+
+
+class DirectoryKeyPlacements(BaseModel):
+    """One resolved key: its placements (empty when unknown) and its chunk's token ids
+    (empty when unknown)."""
+
+    key: EncodedObjectKey
+    placements: list[PlacementModel] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class DirectoryLookupResponse(BaseModel):
+    """``chunks``: keys asked for; ``results``: one per key, in request order."""
+
+    chunks: int = 0
+    results: list[DirectoryKeyPlacements] = Field(default_factory=list)
+
+
+class DirectoryKeyInfo(BaseModel):
+    """One listed key with its placements that matched the filters."""
+
+    key: EncodedObjectKey
+    placements: list[PlacementModel] = Field(default_factory=list)
+    num_tokens: int = 0
+
+
+class DirectoryListResponse(BaseModel):
+    """``GET /directory/keys``: ``total`` keys match the filters; ``keys`` is the page
+    ``[offset, offset + limit)`` in first-stored order; ``next_offset`` is null on the last page."""
+
+    total: int = 0
+    keys: list[DirectoryKeyInfo] = Field(default_factory=list)
+    offset: int = 0
+    limit: int = 0
+    next_offset: int | None = None
+
+
+class EngineInfo(BaseModel):
+    name: str
+    reason: str
+
+
+class DirectoryStatsResponse(BaseModel):
+    """``GET /directory/stats``: the directory's counts (as ``KeyDirectory.stats()`` reports
+    them), ``blend`` (the blend index's stats; empty when blend lookup is disabled),
+    ``engine`` (the probe engine in use and why) and ``batcher`` (micro-batcher totals)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    keys: int
+    placements: int
+    blend: dict[str, Any]
+    engine: EngineInfo
+    batcher: dict[str, Any]
+
+
+class HealthResponse(BaseModel):
+    status: str = "healthy"
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body. ``errors`` (schema errors only) lists ``{loc, msg, type}``."""
+
+    detail: str
+    errors: list[dict[str, Any]] | None = None
+
+
+def matches_to_wire(matches: list[BlendMatch]) -> dict[str, list[dict[str, Any]]]:
+    """``{"matches": [...]}`` for one query, built without per-match model objects (hot path)."""
+    return {"matches": [{"chunk_hash": m.chunk_hash.hex(), "old_st": int(m.old_st), "cur_st": int(m.cur_st)}
+                        for m in matches]}

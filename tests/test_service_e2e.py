@@ -1,0 +1,135 @@
+"""End to end over a real loopback socket: uvicorn in a thread, and the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+
+from blendmatch.index.types import BlendMatch, BlendNamespace
+from blendmatch.service.app import create_app
+from blendmatch.service.client import BlendClient, BlendHTTPError, resolve_overlaps
+from blendmatch.service.loadtest import spawn_server, stop_server
+from service_support import C, MODEL, chunks, config, hash_of, store
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a free 127.0.0.1 port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+def test_blend_client_over_a_real_socket():
+    rows = chunks(4)
+    rows[2][:4] = rows[0][C - 4:]  # so that chunk 2 can overlap the end of chunk 0 in a query
+    with ServerThread(create_app(config())) as url, BlendClient(url) as client:
+        assert client.healthz()
+        assert client.post_events([store("i1", 1, rows)])["applied"] == 1
+        # overlapping matches: the same content twice, C/2 apart
+        q = np.concatenate([rows[1][: C // 2], rows[1], rows[1], rows[3]])
+        got = client.lookup(q, MODEL)
+        assert [x.cur_st for x in got] == [C // 2, C // 2 + 2 * C]  # at most one match per chunk hash
+        q2 = np.concatenate([rows[0], rows[2][4:]])
+        got2 = client.lookup(q2, MODEL)
+        assert got2 == [BlendMatch(hash_of(0), 0, 0), BlendMatch(hash_of(2), 2 * C, C - 4)]
+        assert resolve_overlaps(got2, C) == [got2[0]]
+        many = client.lookup_batch([(q2, BlendNamespace(MODEL))] * 50)
+        assert many == [got2] * 50
+        with pytest.raises(BlendHTTPError) as ei:
+            client.lookup(q, MODEL, world_size=0)
+        assert ei.value.status_code == 422
+        stats = client.stats()
+        assert stats["engine"]["name"] == "cpu" and stats["batcher"]["queries"] >= 52
+
+
+@pytest.mark.slow
+def test_cli_serves_with_lmcache_style_flags(tmp_path):
+    proc, url = spawn_server(["--chunk-size", str(C), "--engine", "cpu", "--enable-blend-lookup",
+                              "--blend-probe-stride", "1", "--log-level", "info"], log_path=tmp_path / "server.log")
+    try:
+        rows = chunks(1)
+        with BlendClient(url) as client:
+            client.post_events([store("i1", 1, rows)])
+            assert client.lookup(rows[0], MODEL) == [BlendMatch(hash_of(0), 0, 0)]
+    finally:
+        code = stop_server(proc)
+    log = (tmp_path / "server.log").read_text()
+    assert code == 0, log
+    startup = [line for line in log.splitlines() if "blendmatch serving: engine" in line]
+    assert len(startup) == 1 and "engine cpu (asked for by name)" in startup[0], log
+
+
+def test_cli_help_and_bad_flags():
+    out = subprocess.run([sys.executable, "-m", "blendmatch", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    for flag in ("--host", "--port", "--chunk-size", "--blend-probe-stride", "--enable-blend-lookup",
+                 "--disable-blend-lookup", "--engine", "--max-batch-tokens", "--max-batch-wait-ms",
+                 "--max-request-tokens", "--log-level"):
+        assert flag in out.stdout, flag
+    bad = subprocess.run([sys.executable, "-m", "blendmatch", "--max-batch-tokens", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--max-batch-tokens" in bad.stderr
+
+
+def test_loadtest_phases_against_a_live_server():
+    import asyncio
+
+    from blendmatch.service import loadtest
+
+    workload = loadtest.Workload(chunk_size=C, chunks=300, tokens=512, matches_per_query=3, pool=8)
+    with ServerThread(create_app(config())) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        async def go():
+            await loadtest.fill("127.0.0.1", port, workload)
+            reqs = loadtest._lookup_requests(f"127.0.0.1:{port}", workload)
+            check = loadtest._make_check(workload.expected_matches())
+            plain = await loadtest.run_phase("127.0.0.1", port, config="t", phase="lookup", requests=reqs,
+                                             tokens=workload.tokens, clients=4, duration=0.5, max_requests=300,
+                                             chunk_size=C, check=check)
+            mixed = await loadtest.run_phase("127.0.0.1", port, config="t", phase="lookup+events", requests=reqs,
+                                             tokens=workload.tokens, clients=4, duration=0.6, max_requests=10**6,
+                                             chunk_size=C, check=check, event_rate=200, event_batch=10)
+            return plain, mixed
+
+        plain, mixed = asyncio.run(go())
+    assert workload.expected_matches() == 3
+    assert 0 < plain.requests <= 300  # bounded in count (or in time, whichever comes first)
+    for r in (plain, mixed):
+        assert r.errors == 0 and r.event_errors == 0 and r.requests > 0
+        assert r.mean_batch is not None and r.mean_batch >= 1
+    assert mixed.events_sent >= 50
+    assert "| t | lookup |" in loadtest.table([plain, mixed])
+
+
+def test_loadtest_refuses_non_loopback_servers():
+    from blendmatch.service import loadtest
+
+    with pytest.raises(SystemExit, match="loopback"):
+        loadtest.main(["--url", "http://10.0.0.1:9300", "--duration", "1"])
