@@ -174,6 +174,7 @@ class BlendIndex:
         # occupants: content row, next occupant, token offset, first claim
         self._o = Columns({"content": np.int32, "next": np.int32, "offset": np.int64, "claim": np.int32})
         self._o_hash: list[bytes | None] = []
+        self._hash_bytes = 0  # sum of sys.getsizeof over live chunk hashes (kept, not walked)
         # claims: namespace id, next claim
         self._k = Columns({"ns": np.int32, "next": np.int32})
         self._ns_ids: dict[BlendNamespace, int] = {}
@@ -425,6 +426,7 @@ class BlendIndex:
         k["next"][claims] = _NONE
         if n and int(occs[0]) == len(self._o_hash) and int(occs[-1]) == int(occs[0]) + n - 1:
             self._o_hash.extend(hashes)  # all fresh ids: the common bulk case
+            self._hash_bytes += sum(map(sys.getsizeof, hashes))
         else:
             for occ, h in zip(occs.tolist(), hashes):
                 self._set_hash(occ, h)
@@ -438,6 +440,8 @@ class BlendIndex:
                 results[pos] = view
 
     def _set_hash(self, occ: int, chunk_hash: bytes) -> None:
+        """Record occupant ``occ``'s chunk hash (``occ`` is fresh or was freed)."""
+        self._hash_bytes += sys.getsizeof(chunk_hash)
         if occ == len(self._o_hash):
             self._o_hash.append(chunk_hash)
         else:
@@ -543,6 +547,7 @@ class BlendIndex:
             while nxt[head] != occ:
                 head = int(nxt[head])
             nxt[head] = nxt[occ]
+        self._hash_bytes -= sys.getsizeof(self._o_hash[occ])
         self._o_hash[occ] = None
         self._o.free(occ)
         if self._c["occ"][row] < 0:
@@ -559,7 +564,7 @@ class BlendIndex:
             self._rebuilds += 1
 
     def _memory_bytes_locked(self) -> int:
-        hashes = sys.getsizeof(self._o_hash) + sum(sys.getsizeof(h) for h in self._o_hash if h is not None)
+        hashes = sys.getsizeof(self._o_hash) + self._hash_bytes  # O(1): scraped by /metrics
         return (self._tokens.nbytes() + self._fpmap.nbytes() + self._c.nbytes() + self._o.nbytes()
                 + self._k.nbytes() + int(self._slots.table.nbytes) + hashes)
 

@@ -271,3 +271,17 @@ def test_token_store_writes_and_views_rows_across_blocks(rng):
             assert [v.tolist() for v in views] == [model[r] for r in subset.tolist()]
             assert all(not v.flags.writeable for v in views)
     assert np.shares_memory(store.rows(np.array([5], dtype=np.int64))[0], store._py_blocks[1])
+
+
+def test_memory_bytes_tracks_hashes_without_walking_them():
+    import sys
+
+    idx = _idx()
+    base = idx.memory_bytes()
+    idx.add([1, 2, 3, 4], b"x" * 40, 0, A)
+    idx.add([1, 2, 3, 4], b"y" * 40, 4, A)
+    grown = idx.memory_bytes()
+    assert grown - base >= 2 * sys.getsizeof(b"x" * 40)
+    idx.remove_chunk([1, 2, 3, 4], b"x" * 40)
+    idx.remove_chunk([1, 2, 3, 4], b"y" * 40)
+    assert idx.memory_bytes() - base < sys.getsizeof(b"x" * 40)  # only the list's own slots remain
