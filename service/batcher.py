@@ -184,13 +184,7 @@ class MicroBatcher(Generic[P, R]):
                 await self._worker
             except asyncio.CancelledError:
                 pass
-        exc = ServiceUnavailable(f"{self.name} batcher is shutting down")
-        for item in [*self._inflight, *self._queue]:
-            if not item.future.done():
-                item.future.set_exception(exc)
-        self._inflight = []
-        self._queue.clear()
-        self._queued_cost = 0
+        self._fail_all(ServiceUnavailable(f"{self.name} batcher is shutting down"))
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -242,7 +236,10 @@ class MicroBatcher(Generic[P, R]):
             return
         log.error("%s batcher worker died", self.name, exc_info=task.exception())
         self._closed = True
-        exc = ServiceUnavailable(f"{self.name} batcher stopped after an internal error")
+        self._fail_all(ServiceUnavailable(f"{self.name} batcher stopped after an internal error"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Deliver ``exc`` to every request in flight or queued, and forget them."""
         for item in [*self._inflight, *self._queue]:
             if not item.future.done():
                 item.future.set_exception(exc)
