@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 
@@ -24,6 +25,7 @@ from blendmatch.index.events import (
     wire_batch,
     wire_entry,
 )
+from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.types import BlendNamespace, ObjectKey, pack_kv_rank
 
 
@@ -164,6 +166,99 @@ def test_bad_packed_token_ids_are_named(tokens, alone):
     assert err.value.field.startswith("batches[0].entries[") and ".token_ids" in err.value.field
 
 
+def _b64(tokens) -> str:
+    return base64.b64encode(np.asarray(tokens, dtype="<u4").tobytes()).decode()
+
+
+@pytest.mark.parametrize("rows", [[[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [], [2**32 - 1]]])
+@pytest.mark.parametrize("extra", [{}, {"token_ids": []}])
+def test_tokens_b64_parse_like_token_ids(rows, extra):
+    """``tokens_b64`` (strict base64 of LE uint32) is the same column as the ids as lists,
+    also with an empty ``token_ids`` beside it; "" and null mean no tokens."""
+    col = parse_event_request({"batches": [_batch([_entry(tokens_b64=_b64(r), **extra) for r in rows])]}
+                              ).batches[0].entries.tokens
+    want = parse_event_request({"batches": [_batch([_entry(token_ids=r) for r in rows])]}).batches[0].entries.tokens
+    assert col.lengths == want.lengths == [len(r) for r in rows] and col.unfilled == []
+    assert col.flat.tolist() == want.flat.tolist()
+    assert col.flat.dtype == np.uint32 and not col.flat.flags.writeable
+    for tokens_b64 in ("", None):
+        none = parse_event_request({"batches": [_batch([_entry(tokens_b64=tokens_b64), _entry(tokens_b64="")])]})
+        assert none.batches[0].entries.tokens.lengths == [0, 0]
+
+
+def test_tokens_b64_mixed_with_token_ids_in_one_batch():
+    entries = [_entry(token_ids=[1, 2, 3]), _entry(tokens_b64=_b64([4, 5])), _entry(),
+               _entry(tokens_b64="", token_ids=[6]), _entry(tokens_b64=None, token_ids=[7]),
+               _entry(tokens_b64=_b64([8]), token_ids=[])]
+    col = parse_event_request({"batches": [_batch(entries)]}).batches[0].entries.tokens
+    assert [None if col.row(i) is None else col.row(i).tolist() for i in range(len(entries))] == \
+        [[1, 2, 3], [4, 5], None, [6], [7], [8]]
+
+
+@pytest.mark.parametrize("extra", [{}, {"token_ids": []}])
+def test_tokens_b64_batch_takes_the_fast_path(monkeypatch, extra):
+    """A batch whose entries all use tokens_b64 never goes entry by entry."""
+    from blendmatch.index import events
+
+    entries = [_entry(key__chunk_hash_hex=f"{i:04x}", tokens_b64=_b64([i, i + 1]), **extra) for i in range(3)]
+    parse_event_request({"batches": [_batch(entries)]})  # first-seen scope: may go slow once
+
+    def boom(raw):
+        raise AssertionError("slow path taken")
+
+    monkeypatch.setattr(events, "_parse_entries_slow", boom)
+    col = parse_event_request({"batches": [_batch(entries)]}).batches[0].entries.tokens
+    assert col.rows(range(3)).tolist() == [[0, 1], [1, 2], [2, 3]]
+
+
+@pytest.mark.parametrize("form", ["token_ids", "tokens_b64", "mixed"])
+def test_tokens_b64_directory_matches_equal_token_ids(form):
+    """Through a KeyDirectory, tokens_b64 binds and indexes exactly as token_ids."""
+    c = 8
+    rows = np.random.default_rng(3).integers(0, 50_000, size=(6, c), dtype=np.uint32)
+    query = np.concatenate([np.full(5, 60_000, dtype=np.uint32), rows[4], rows[1], rows[1][:3], rows[5]])
+
+    def entry(i: int) -> dict:
+        e = _entry(key__chunk_hash_hex=bytes([0xab, i]).hex(), token_offset=i * c)
+        use_b64 = form == "tokens_b64" or (form == "mixed" and i % 2)
+        e["tokens_b64" if use_b64 else "token_ids"] = _b64(rows[i]) if use_b64 else rows[i].tolist()
+        return e
+
+    d = KeyDirectory()
+    d.enable_blend_lookup(chunk_size=c, probe_stride=1, engine="reference")
+    counts = d.apply({"batches": [_batch([entry(i) for i in range(6)])]})
+    assert counts.applied == 1
+    matches = [(m.chunk_hash, m.old_st, m.cur_st) for m in d.blend_match(query, BlendNamespace("m", "", 2))]
+    assert matches == [(bytes([0xab, 4]), 4 * c, 5), (bytes([0xab, 1]), c, 5 + c), (bytes([0xab, 5]), 5 * c, 5 + 2 * c + 3)]
+    assert [t.tolist() for t in d.get_token_ids([bytes([0xab, 2])])] == [rows[2].tolist()]
+
+
+@pytest.mark.parametrize("alone", [True, False])
+@pytest.mark.parametrize("over, reason", [
+    (dict(tokens_b64="AQAAAA==", token_ids=[1]), "give token_ids or tokens_b64, not both"),
+    (dict(tokens_b64="AQAAAA==", token_ids=np.array([1], dtype=np.uint32)), "not both"),
+    (dict(tokens_b64="AQAA AA="), "not valid standard base64"),
+    (dict(tokens_b64="AQAAAA=="[:-1]), "not valid standard base64"),
+    (dict(tokens_b64="AQAAAA-_"), "not valid standard base64"),
+    (dict(tokens_b64="=AQAAAA="), "not valid standard base64"),
+    (dict(tokens_b64="AQAAAA==\n"), "not valid standard base64"),
+    (dict(tokens_b64="\u00e9AAA"), "not valid standard base64"),
+    (dict(tokens_b64="AQAA"), "decoded byte length 3 is not a multiple of 4"),
+    (dict(tokens_b64="AQAAAAI="), "decoded byte length 5 is not a multiple of 4"),
+    (dict(tokens_b64=5), "must be a base64 string, got int"),
+    (dict(tokens_b64=["AQAAAA=="]), "must be a base64 string, got list"),
+    (dict(tokens_b64=b"AQAAAA=="), "must be a base64 string, got bytes"),
+])
+def test_bad_tokens_b64_is_named(over, reason, alone):
+    """Whether every entry of the batch uses tokens_b64 (the fast path) or not."""
+    good = _entry(tokens_b64=_b64([9])) if alone else _entry(token_ids=[9])
+    with pytest.raises(EventValidationError) as err:
+        parse_event_request({"batches": [_batch([good, _entry(**over)])]})
+    assert err.value.field == "batches[0].entries[1].tokens_b64"
+    assert reason in err.value.reason
+    assert str(err.value).startswith("batches[0].entries[1].tokens_b64: ")
+
+
 def test_config_batch_and_access_without_backend():
     req = parse_event_request({"batches": [
         _batch(entries=_DROP, event_type="config", capacity_bytes=5, capacity_revision=1),
@@ -268,6 +363,14 @@ BAD_ENTRIES = [
     (dict(token_ids=[1, "2"]), "token_ids[1]"),
     (dict(token_ids=[None]), "token_ids[0]"),
     (dict(token_ids=[[1]]), "token_ids[0]"),
+    (dict(tokens_b64="AQAAAA==", token_ids=[1]), "tokens_b64"),
+    (dict(tokens_b64="AQAA AA="), "tokens_b64"),
+    (dict(tokens_b64="AQAAAA="), "tokens_b64"),
+    (dict(tokens_b64="AQAAAA-_"), "tokens_b64"),
+    (dict(tokens_b64="AQAA"), "tokens_b64"),
+    (dict(tokens_b64=5), "tokens_b64"),
+    (dict(tokens_b64=[1]), "tokens_b64"),
+    (dict(tokens_b64="AQAAAA==", token_ids=None), "token_ids"),
 ]
 
 
@@ -322,6 +425,11 @@ def _corpus() -> list[tuple[dict, bool]]:
     out: list[tuple[dict, bool]] = [({"batches": [_batch()]}, True),
                                     ({"batches": [_batch([_entry(token_ids=[1, 2**40], token_offset=3)])]}, True),
                                     ({"batches": [_batch(entries=[], event_type="access", backend="")]}, True),
+                                    ({"batches": [_batch([_entry(tokens_b64="AQAAAAIAAAA=", token_offset=0),
+                                                          _entry(tokens_b64="")])]}, True),
+                                    ({"batches": [_batch([_entry(tokens_b64="AQAAAA==", token_ids=[]),
+                                                          _entry(tokens_b64=None, token_ids=[1]),
+                                                          _entry(tokens_b64="", token_ids=[2])])]}, True),
                                     ({"batches": []}, True)]
     for over, _ in BAD_BATCHES:
         out.append(({"batches": [_batch(**over)]}, False))
