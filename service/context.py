@@ -145,9 +145,7 @@ class ServiceContext:
         await self.lookups.start()
         index = self.directory.blend_index
         if index is not None:  # on the lookup thread: the first batch pays no compilation or page-in
-            warm = np.zeros(2 * index.chunk_size, dtype=np.uint32)
-            await asyncio.get_running_loop().run_in_executor(
-                self.lookups.executor, index.match_batch, [(warm, BlendNamespace("blendmatch-warmup"))])
+            await asyncio.get_running_loop().run_in_executor(self.lookups.executor, index.warm_up)
         eng = self.engine_info()
         log.info("blendmatch serving: engine %s (%s); chunk_size %d, probe_stride %d, max_batch_tokens %d, "
                  "max_batch_wait_ms %g, max_request_tokens %d, engine_threads %d", eng["name"], eng["reason"],

@@ -285,3 +285,12 @@ def test_memory_bytes_tracks_hashes_without_walking_them():
     idx.remove_chunk([1, 2, 3, 4], b"x" * 40)
     idx.remove_chunk([1, 2, 3, 4], b"y" * 40)
     assert idx.memory_bytes() - base < sys.getsizeof(b"x" * 40)  # only the list's own slots remain
+
+
+def test_warm_up_leaves_the_index_untouched():
+    idx = _idx()
+    idx.add([1, 2, 3, 4], b"a", 0, A)
+    before = idx.stats()
+    idx.warm_up()
+    assert idx.stats() == before
+    assert idx.match([1, 2, 3, 4], A) == [BlendMatch(b"a", 0, 0)]
