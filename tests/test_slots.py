@@ -114,3 +114,16 @@ def test_long_log_is_trimmed_to_full_upload(rng):
 def test_bad_filter_name(bad):
     with pytest.raises(ValueError, match="filter"):
         SlotArray(bad)
+
+
+def test_large_tables_are_zeroed_writable_and_aligned(rng):
+    from blendmatch.index.slots import _alloc_table
+
+    t = _alloc_table(4 << 20)
+    assert t.dtype == np.uint8 and t.size == 4 << 20 and t.flags.writeable and t.flags.c_contiguous
+    assert not t.any()
+    t[-1] = 7  # the whole span is usable
+    s = SlotArray()
+    fps = rng.integers(0, 1 << 63, size=300_000, dtype=np.uint64)
+    s.rebuild(fps)
+    assert s.size >= 4 << 20 and all(survives(s, int(f)) for f in fps[:1000])
