@@ -47,8 +47,18 @@ LANE = 64
 #: that waits for every worker; when another process (or the service's own event loop) holds
 #: the other core, a worker is descheduled and the barrier waits out a scheduler slice:
 #: measured here, a 32K-window probe took 12-16 ms in parallel under load against 0.4-0.6 ms
-#: serially. Half a million windows (~5-10 ms of serial work) amortises that risk.
+#: serially. Half a million windows (~5-10 ms of serial work) amortises that risk on a
+#: machine of 2 or fewer engine threads. With more threads a region's work per thread is
+#: small and the service's default batch (256K tokens) must still spread over the cores, so
+#: the bar drops to 64K windows there. Decided when the engine is built (``numba``'s thread
+#: count, which the service sets from ``--engine-threads``).
 PARALLEL_MIN_WINDOWS = 1 << 19
+PARALLEL_MIN_WINDOWS_MANY_THREADS = 1 << 16
+
+
+def default_parallel_min_windows() -> int:
+    """The parallel threshold for this process (see ``PARALLEL_MIN_WINDOWS``)."""
+    return PARALLEL_MIN_WINDOWS if numba.get_num_threads() <= 2 else PARALLEL_MIN_WINDOWS_MANY_THREADS
 
 #: One parallel probe at a time per process: each already uses every core, and numba's
 #: fallback "workqueue" threading layer aborts on concurrent parallel launches (OpenMP and
@@ -189,9 +199,11 @@ class CpuEngine:
     name = "cpu"
 
     def __init__(self, reason: str = "", item_windows: int = ITEM_WINDOWS,
-                 parallel_min_windows: int = PARALLEL_MIN_WINDOWS) -> None:
+                 parallel_min_windows: int | None = None) -> None:
         if item_windows < 1:
             raise ValueError(f"item_windows must be >= 1, got {item_windows}")
+        if parallel_min_windows is None:
+            parallel_min_windows = default_parallel_min_windows()
         if parallel_min_windows < 0:
             raise ValueError(f"parallel_min_windows must be >= 0, got {parallel_min_windows}")
         self.reason = reason

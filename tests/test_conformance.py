@@ -111,3 +111,15 @@ def test_match_results_shape(engine):
     idx = BlendIndex(chunk_size=4, engine=engine)
     idx.add([1, 2, 3, 4], b"\x01", 8, NS)
     assert idx.match([9, 1, 2, 3, 4], NS) == [BlendMatch(b"\x01", 8, 1)]
+
+
+def test_cpu_parallel_threshold_follows_thread_count(monkeypatch):
+    from blendmatch.gpu import cpu
+
+    monkeypatch.setattr(cpu.numba, "get_num_threads", lambda: 2)
+    assert cpu.CpuEngine().parallel_min_windows == cpu.PARALLEL_MIN_WINDOWS
+    monkeypatch.setattr(cpu.numba, "get_num_threads", lambda: 16)
+    assert cpu.CpuEngine().parallel_min_windows == cpu.PARALLEL_MIN_WINDOWS_MANY_THREADS
+    assert cpu.CpuEngine(parallel_min_windows=7).parallel_min_windows == 7
+    with pytest.raises(ValueError, match="parallel_min_windows"):
+        cpu.CpuEngine(parallel_min_windows=-1)
