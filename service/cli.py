@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: ``serve`` parks what event ingestion built in the collector's permanent generation after
+#: every 64 MiB of event bodies (~35k stored 256-token entries): see ``ServiceContext``.
+GC_FREEZE_INGEST_BYTES = 64 << 20
+
+
 def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
     """The ``ServiceConfig`` the parsed ``serve`` flags describe (raises ValidationError)."""
     from .config import ServiceConfig
@@ -83,6 +88,7 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         enable_blend_lookup=args.enable_blend_lookup, engine=args.engine, max_batch_tokens=args.max_batch_tokens,
         max_batch_wait_ms=args.max_batch_wait_ms, max_request_tokens=args.max_request_tokens,
         max_body_bytes=args.max_body_bytes, engine_threads=args.engine_threads, log_level=args.log_level,
+        gc_freeze_ingest_bytes=GC_FREEZE_INGEST_BYTES,
     )
 
 

@@ -65,6 +65,10 @@ class ServiceConfig(BaseModel):
     engine_threads: int | None = Field(default=None, ge=1,
                                        description="CPU engine threads; None: one less than the CPUs (min 1)")
     log_level: LogLevel = "info"
+    gc_freeze_ingest_bytes: int = Field(
+        default=0, ge=0,
+        description="after this many bytes of POST /events bodies, move the live objects into the "
+                    "collector's permanent generation (0: never; `blendmatch serve` uses 64 MiB)")
 
     @model_validator(mode="after")
     def _check(self) -> "ServiceConfig":

@@ -63,6 +63,7 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
     raw = await request.body()
     t0 = time.perf_counter()
     counts = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw)
+    ctx.note_ingested(len(raw))
     ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0)
     return CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale)
 
