@@ -188,21 +188,25 @@ def test_thread_safety():
     rng = np.random.default_rng(9)
     cases = [make_case(rng, c=8) for _ in range(8)]
     wants = [REF.probe(b, s) for b, s in cases]
-    eng = XpEngine(np)
+    _probe_from_threads(XpEngine(np), cases, wants, rounds=20)
+
+
+def _probe_from_threads(eng, cases, wants, rounds: int, threads: int = 4) -> None:
+    """Four threads probe the same engine concurrently; every answer must be the reference's."""
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:
         try:
-            for i in range(20):
+            for i in range(rounds):
                 j = (i + k) % len(cases)
                 assert eng.probe(*cases[j]).same_as(wants[j])
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
+    pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in pool:
         t.start()
-    for t in threads:
+    for t in pool:
         t.join()
     assert not errors, errors
 
@@ -805,22 +809,7 @@ def test_gpu_concurrent_probes():
         rng = np.random.default_rng(5)
         cases = [make_case(rng, c=16) for _ in range(6)]
         wants = [REF.probe(b, s) for b, s in cases]
-        errors: list[BaseException] = []
-
-        def worker(k: int) -> None:
-            try:
-                for i in range(10):
-                    j = (i + k) % len(cases)
-                    assert eng.probe(*cases[j]).same_as(wants[j])
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        _probe_from_threads(eng, cases, wants, rounds=10)
     finally:
         eng.close()
 
