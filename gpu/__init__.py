@@ -1,8 +1,10 @@
-"""The probe engines: given a query batch and a slot array, return candidate windows.
+"""The bottom room: hashing and probing. Arrays in, candidates out.
 
-``gpu`` sees arrays, never namespaces; it imports ``blendmatch.index.fingerprint`` (THE
-hash, a leaf module) and nothing else of ``index``. Nothing here imports ``cupy`` at module
-level except inside ``cupy_engine``'s functions.
+``gpu`` sees token arrays and slot tables, never namespaces or chunk hashes, and imports
+nothing else of the project. It holds THE fingerprint (``fingerprint``), the batch types,
+the engine contract (``engine``), the engines (``reference``, ``cpu``, ``xp_probe``,
+``cupy_engine``) and their selection with the GPU -> CPU failover (``select``). Nothing
+here imports ``cupy`` at module level; ``cupy_engine`` imports it inside its functions.
 """
 
 from .batch import Candidates, QueryBatch, count_windows
@@ -13,9 +15,20 @@ from .engine import (
     EngineFailure,
     EngineName,
     EngineUnavailable,
+    SlotChanges,
     SlotSource,
-    select_engine,
 )
+from .fingerprint import (
+    FP_BASE,
+    FP_BASE_INV,
+    TAG_EMPTY,
+    TAG_SHARED,
+    chunk_fingerprint,
+    chunk_fingerprints,
+    prefix_fingerprints,
+    rolling_fingerprints,
+)
+from .select import FailoverEngine, GpuSelfTestError, create_gpu_engine, select_engine, self_test
 
 __all__ = [
     "Candidates",
@@ -25,8 +38,21 @@ __all__ = [
     "EngineFailure",
     "EngineName",
     "EngineUnavailable",
+    "FP_BASE",
+    "FP_BASE_INV",
+    "FailoverEngine",
+    "GpuSelfTestError",
     "QueryBatch",
+    "SlotChanges",
     "SlotSource",
+    "TAG_EMPTY",
+    "TAG_SHARED",
+    "chunk_fingerprint",
+    "chunk_fingerprints",
     "count_windows",
+    "create_gpu_engine",
+    "prefix_fingerprints",
+    "rolling_fingerprints",
     "select_engine",
+    "self_test",
 ]

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from blendmatch.index.fingerprint import _U64_B, base_powers, mix64_scalar, roll_step, tag_of_mixed
+from .fingerprint import B_U64, base_powers, mix64_scalar, roll_step, tag_of_mixed
 
 from .batch import Candidates, QueryBatch
 from .engine import SlotSource
@@ -139,7 +139,7 @@ def _probe_body(tokens, offsets, c, stride, table, mask, pows, items, total):  #
         pos = qstart + w0 * stride  # absolute start of the current window
         if rolling:
             for i in range(c):
-                h = h * _U64_B + np.uint64(tokens[pos + i])
+                h = h * B_U64 + np.uint64(tokens[pos + i])
         done = 0
         while done < cnt:
             m = min(LANE, cnt - done)

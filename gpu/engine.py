@@ -1,9 +1,8 @@
-"""The engine contract and engine selection.
+"""The engine contract: the protocol every probe engine implements, and its errors.
 
 Question answered: "which windows of this batch could be in the index?" An engine hashes
 every valid window of a :class:`~blendmatch.gpu.batch.QueryBatch` with THE fingerprint
-(``blendmatch.index.fingerprint``, the one module of ``index/`` that ``gpu/`` may import: a
-leaf of constants and pure array functions) and probes a slot array. It sees arrays, never
+(``gpu/fingerprint.py``) and probes a slot array. It sees arrays, never
 namespaces or chunk hashes; the index verifies the survivors.
 
 Contract (every engine, bit for bit; one conformance suite checks it):
@@ -13,16 +12,14 @@ Contract (every engine, bit for bit; one conformance suite checks it):
   A host engine reads ``slots.table``; a device engine mirrors it through
   ``slots.changes_since``. ``probe`` may run concurrently with writers of ``slots``.
 - Bad input raises ``ValueError`` identically on every engine; a device failure at run time
-  raises :class:`EngineFailure` (the index then fails over to the CPU engine).
+  raises :class:`EngineFailure` (``select.FailoverEngine`` then moves to the CPU engine).
 
-Engines are chosen by :func:`select_engine`: ``"reference"`` (numpy oracle), ``"cpu"``
-(numba), ``"gpu"`` (CuPy; fails loudly with the reason when unusable) or ``"auto"`` (the GPU
-only after a real trial launch succeeds, else the CPU engine).
+This module defines the contract only; engines are built by ``gpu/select.py``. It imports no
+engine, so engines can import it without a cycle.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -38,12 +35,8 @@ __all__ = [
     "EngineFailure",
     "SlotSource",
     "SlotChanges",
-    "SlotChangesLike",
-    "select_engine",
     "ENGINE_NAMES",
 ]
-
-log = logging.getLogger(__name__)
 
 EngineName = Literal["auto", "gpu", "cpu", "reference"]
 ENGINE_NAMES: tuple[str, ...] = ("auto", "gpu", "cpu", "reference")
@@ -79,10 +72,6 @@ class SlotChanges:
     values: np.ndarray
 
 
-#: Older name of :class:`SlotChanges`, kept for the engines' annotations.
-SlotChangesLike = SlotChanges
-
-
 @runtime_checkable
 class SlotSource(Protocol):
     """What an engine may read of the slot array (implemented by ``index.slots.SlotArray``)."""
@@ -94,7 +83,7 @@ class SlotSource(Protocol):
     @property
     def mask(self) -> int: ...
 
-    def changes_since(self, generation: int, version: int) -> SlotChangesLike: ...
+    def changes_since(self, generation: int, version: int) -> SlotChanges: ...
 
 
 @runtime_checkable
@@ -108,32 +97,3 @@ class Engine(Protocol):
     def probe(self, batch: QueryBatch, slots: SlotSource) -> Candidates: ...
 
     def close(self) -> None: ...
-
-
-def select_engine(name: str = "auto") -> Engine:
-    """Build the engine ``name`` names; see the module docstring for ``"auto"``.
-
-    Raises ``ValueError`` for an unknown name and :class:`EngineUnavailable` (with the reason)
-    when ``"gpu"`` is asked for and no usable GPU answers a trial launch.
-    """
-    if name not in ENGINE_NAMES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINE_NAMES)}, got {name!r}")
-    if name == "reference":
-        from .reference import ReferenceEngine
-
-        return ReferenceEngine(reason="asked for by name")
-    if name == "cpu":
-        from .cpu import CpuEngine
-
-        return CpuEngine(reason="asked for by name")
-    from .cupy_engine import create_gpu_engine  # no cupy import happens at module level there
-
-    if name == "gpu":
-        return create_gpu_engine(reason="asked for by name")
-    try:
-        return create_gpu_engine(reason="auto: a trial launch on the GPU succeeded")
-    except EngineUnavailable as exc:
-        from .cpu import CpuEngine
-
-        log.info("GPU engine unavailable (%s); using the CPU engine", exc)
-        return CpuEngine(reason=f"auto: no usable GPU ({exc})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from blendmatch.index.fingerprint import TAG_SHARED, base_powers, slots_and_tags
+from .fingerprint import TAG_SHARED, base_powers, slots_and_tags
 
 from .batch import Candidates, QueryBatch
 from .engine import SlotSource

@@ -49,10 +49,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from blendmatch.index.fingerprint import TAG_SHARED, power_tables, prefix_fingerprints, slots_and_tags
+from .fingerprint import TAG_SHARED, power_tables, prefix_fingerprints, slots_and_tags
 
 from .batch import Candidates, QueryBatch
-from .engine import EngineError, EngineFailure, SlotChanges, SlotChangesLike, SlotSource
+from .engine import EngineError, EngineFailure, SlotChanges, SlotSource
 
 __all__ = [
     "TIMING_KEYS",
@@ -311,7 +311,7 @@ class SlotMirror:
         """Bring the mirror to the source's current state: ``"full"``, ``"patch"`` or ``"current"``."""
         fresh = self.table is None or not self._same_source(slots)
         gen, ver = (-1, -1) if fresh else (self.generation, self.version)
-        ch: SlotChangesLike = slots.changes_since(gen, ver)
+        ch: SlotChanges = slots.changes_since(gen, ver)
         table = check_table(ch.table)
         if fresh or ch.full or int(table.shape[0]) != int(self.table.shape[0]):
             self.table = self._to_device(table)

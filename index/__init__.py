@@ -1,74 +1,83 @@
-"""The host truth: fingerprints, the slot array, the blend index, the key directory.
+"""The middle room: the host truth, derived from the cache-event stream.
 
-Pure numpy/numba; no HTTP and no CuPy here. ``index`` reaches the engines in ``gpu/`` only
-through the engine protocol (``blendmatch.gpu.engine``).
+Tokens (``tokens``), keys and namespaces (``types``), the slot array (``slots``) and
+storage, the blend index (``blend_index``), LMCache's event body (``wire``,
+``wire_models``), the ingest gate (``gate``) and the key directory (``key_directory``).
+Imports ``blendmatch.gpu`` (public names only) and nothing above it.
+
+Names are loaded on first use (PEP 562), so ``import blendmatch.index.types`` or
+``blendmatch.index.tokens`` (what the client needs) loads neither numba nor pydantic.
 """
 
-from .blend_index import BlendIndex, MatchStats
-from .fingerprint import chunk_fingerprint, chunk_fingerprints, prefix_fingerprints, rolling_fingerprints
-from .slots import SlotArray
-from .types import (
-    DEFAULT_CHUNK_SIZE,
-    UNKNOWN_TOKEN_OFFSET,
-    BlendMatch,
-    BlendNamespace,
-    ObjectKey,
-    pack_kv_rank,
-    unpack_kv_rank,
-    world_size_of_kv_rank,
-)
+from __future__ import annotations
 
-from .events import (
-    EventBatch,
-    EventRequest,
-    EventRequestModel,
-    EventValidationError,
-    IngestGate,
-    parse_event_batch,
-    parse_event_request,
-    wire_batch,
-    wire_entry,
-)
-from .key_directory import (
-    SHARED_POOL_INSTANCE,
-    ApplyCounts,
-    BlendLookupDisabled,
-    FenceResult,
-    KeyDirectory,
-    KeyPlacements,
-    Placement,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "ApplyCounts",
-    "BlendIndex",
-    "BlendLookupDisabled",
-    "BlendMatch",
-    "BlendNamespace",
-    "DEFAULT_CHUNK_SIZE",
-    "EventBatch",
-    "EventRequest",
-    "EventRequestModel",
-    "EventValidationError",
-    "FenceResult",
-    "IngestGate",
-    "KeyDirectory",
-    "KeyPlacements",
-    "MatchStats",
-    "ObjectKey",
-    "Placement",
-    "SHARED_POOL_INSTANCE",
-    "SlotArray",
-    "UNKNOWN_TOKEN_OFFSET",
-    "chunk_fingerprint",
-    "chunk_fingerprints",
-    "pack_kv_rank",
-    "parse_event_batch",
-    "parse_event_request",
-    "prefix_fingerprints",
-    "rolling_fingerprints",
-    "unpack_kv_rank",
-    "wire_batch",
-    "wire_entry",
-    "world_size_of_kv_rank",
-]
+#: Public name -> the module (in this package) that defines it. One home per name.
+_EXPORTS: dict[str, str] = {
+    "ApplyCounts": "key_directory",
+    "BlendIndex": "blend_index",
+    "BlendLookupDisabled": "key_directory",
+    "BlendMatch": "types",
+    "BlendNamespace": "types",
+    "DEFAULT_CHUNK_SIZE": "types",
+    "EventBatch": "wire",
+    "EventRequest": "wire",
+    "EventRequestModel": "wire_models",
+    "EventValidationError": "wire",
+    "FenceResult": "key_directory",
+    "IngestGate": "gate",
+    "KeyDirectory": "key_directory",
+    "KeyPlacements": "placements",
+    "MatchStats": "blend_index",
+    "ObjectKey": "types",
+    "Placement": "placements",
+    "SHARED_POOL_INSTANCE": "placements",
+    "SlotArray": "slots",
+    "TokenDecodeError": "tokens",
+    "UNKNOWN_TOKEN_OFFSET": "types",
+    "pack_kv_rank": "types",
+    "parse_event_batch": "wire",
+    "parse_event_request": "wire",
+    "unpack_kv_rank": "types",
+    "wire_batch": "wire_models",
+    "wire_entry": "wire_models",
+    "world_size_of_kv_rank": "types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # static checkers see ordinary imports
+    from .blend_index import BlendIndex, MatchStats
+    from .gate import IngestGate
+    from .key_directory import ApplyCounts, BlendLookupDisabled, FenceResult, KeyDirectory
+    from .placements import SHARED_POOL_INSTANCE, KeyPlacements, Placement
+    from .slots import SlotArray
+    from .tokens import TokenDecodeError
+    from .types import (
+        DEFAULT_CHUNK_SIZE,
+        UNKNOWN_TOKEN_OFFSET,
+        BlendMatch,
+        BlendNamespace,
+        ObjectKey,
+        pack_kv_rank,
+        unpack_kv_rank,
+        world_size_of_kv_rank,
+    )
+    from .wire import EventBatch, EventRequest, EventValidationError, parse_event_batch, parse_event_request
+    from .wire_models import EventRequestModel, wire_batch, wire_entry

@@ -45,11 +45,10 @@ from typing import Any, Sequence
 import numba
 import numpy as np
 
-from blendmatch.gpu.batch import Candidates, QueryBatch
-from blendmatch.gpu.engine import Engine, select_engine
+from blendmatch.gpu import Candidates, Engine, FailoverEngine, QueryBatch, chunk_fingerprint, chunk_fingerprints, select_engine
 
-from .fingerprint import as_tokens, chunk_fingerprint, chunk_fingerprints
 from .slots import FilterMode, SlotArray
+from .tokens import as_token_rows, as_tokens
 from .storage import Columns, FingerprintMap, TokenStore
 from .types import UNKNOWN_TOKEN_OFFSET, BlendMatch, BlendNamespace
 
@@ -165,7 +164,10 @@ class BlendIndex:
         self.probe_stride = probe_stride
         self._slots = SlotArray(filter)
         self.filter = filter
-        self.engine: Engine = select_engine(engine) if isinstance(engine, str) else engine
+        chosen = select_engine(engine) if isinstance(engine, str) else engine
+        # What probes go through: the chosen engine until it fails at run time, then the CPU
+        # engine (``gpu.select.FailoverEngine``: logged and counted there).
+        self._failover = chosen if isinstance(chosen, FailoverEngine) else FailoverEngine(chosen)
         self._lock = threading.RLock()
         self._fpmap = FingerprintMap()
         self._tokens = TokenStore(chunk_size)
@@ -180,8 +182,12 @@ class BlendIndex:
         self._ns_ids: dict[BlendNamespace, int] = {}
         self._ns_claims: list[int] = []
         self._collisions = 0
-        self._failovers = 0
         self._rebuilds = 0
+
+    @property
+    def engine(self) -> Engine:
+        """The engine answering now (the chosen one, or the CPU engine after a GPU failover)."""
+        return self._failover.active
 
     # ------------------------------------------------------------------ public: writes
     def add(self, tokens: Any, chunk_hash: bytes, token_offset: int, ns: BlendNamespace) -> np.ndarray | None:
@@ -213,7 +219,7 @@ class BlendIndex:
         order, with the per-chunk Python overhead batched away (new contents are inserted with
         a handful of array operations). All input is validated before anything is applied.
         """
-        arr = _as_tokens2d(tokens2d)
+        arr = as_token_rows(tokens2d)
         n = arr.shape[0]
         if len(chunk_hashes) != n:
             raise ValueError(f"chunk_hashes has {len(chunk_hashes)} entries for {n} token rows")
@@ -262,7 +268,7 @@ class BlendIndex:
         chunk size (bulk and single adds, a probe with a hit, verification, removals), so the
         first real request pays no JIT compilation or cache load. State of ``self`` is
         untouched; safe to call at start-up from the thread that will serve lookups."""
-        scratch = BlendIndex(self.chunk_size, self.probe_stride, self.engine, self.filter)
+        scratch = BlendIndex(self.chunk_size, self.probe_stride, self._failover, self.filter)
         ns = BlendNamespace("blendmatch-warm-up")
         rows = np.arange(2 * self.chunk_size, dtype=np.uint32).reshape(2, self.chunk_size)
         scratch.add_many(rows, [b"warm-0", b"warm-1"], [0, self.chunk_size], ns)
@@ -355,7 +361,7 @@ class BlendIndex:
                 "rebuilds": self._rebuilds,
                 "engine": self.engine.name,
                 "engine_reason": self.engine.reason,
-                "engine_failovers": self._failovers,
+                "engine_failovers": self._failover.failovers,
                 "memory_bytes": self._memory_bytes_locked(),
             }
             out.update(self._slots.stats())
@@ -584,27 +590,7 @@ class BlendIndex:
 
     # ------------------------------------------------------------------ internals: reads
     def _probe(self, batch: QueryBatch) -> Candidates:
-        engine = self.engine
-        try:
-            return engine.probe(batch, self._slots)
-        except ValueError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any device failure fails over, logged and counted
-            if engine.name in ("cpu", "reference"):
-                raise
-            from blendmatch.gpu.cpu import CpuEngine
-
-            with self._lock:
-                if self.engine is engine:
-                    self._failovers += 1
-                    log.error("engine %s failed (%s: %s); continuing on the CPU engine",
-                              engine.name, type(exc).__name__, exc)
-                    self.engine = CpuEngine(reason=f"failover from {engine.name}: {type(exc).__name__}: {exc}")
-                    try:
-                        engine.close()
-                    except Exception:  # noqa: BLE001 - the device is already broken
-                        log.debug("closing the failed engine raised", exc_info=True)
-            return self.engine.probe(batch, self._slots)
+        return self._failover.probe(batch, self._slots)
 
     def _verify(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
                 results: list[list[BlendMatch]], stats: MatchStats) -> None:
@@ -665,16 +651,3 @@ def _check_offset(token_offset: Any) -> int:
 def _check_ns(ns: Any) -> None:
     if not isinstance(ns, BlendNamespace):
         raise ValueError(f"namespace must be a BlendNamespace, got {type(ns).__name__}")
-
-
-def _as_tokens2d(tokens2d: Any) -> np.ndarray:
-    arr = np.asarray(tokens2d)
-    if arr.ndim != 2:
-        raise ValueError(f"tokens must be a 2-D (n, chunk_size) array, got shape {arr.shape}")
-    if arr.dtype == np.uint32:
-        return np.ascontiguousarray(arr)
-    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
-        raise ValueError(f"tokens must be integer token ids, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF):
-        raise ValueError(f"token ids must lie in 0..2^32-1, got range {int(arr.min())}..{int(arr.max())}")
-    return np.ascontiguousarray(arr, dtype=np.uint32)

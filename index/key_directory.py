@@ -69,16 +69,16 @@ from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-from blendmatch.gpu.engine import Engine
+from blendmatch.gpu import Engine
 
 from .blend_index import BlendIndex
-from .events import (
+from .gate import Admission, IngestGate
+from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
+from .wire import (
     TIERS,
-    Admission,
     EntryColumns,
     EventBatch,
     EventRequest,
-    IngestGate,
     KeyScope,
     TokenColumn,
     parse_event_batch,
@@ -97,28 +97,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: ``instance_id`` of a shared-pool placement (it belongs to no one instance).
-SHARED_POOL_INSTANCE = ""
-
-
-class Placement(NamedTuple):
-    """One copy of a key: on which instance (``""`` for a shared pool), tier and backend."""
-
-    instance_id: str
-    incarnation: int
-    tier: str
-    backend: str
-    size_bytes: int
-    shared: bool
-
-
-class KeyPlacements(NamedTuple):
-    """A key and (some of) its placements, as :meth:`KeyDirectory.list_keys` returns them."""
-
-    key: ObjectKey
-    placements: tuple[Placement, ...]
-
 
 class ApplyCounts(NamedTuple):
     """Batches of one request: applied, dropped as duplicates, dropped as stale.
@@ -147,7 +125,6 @@ _Member = tuple[KeyScope, tuple[Placement, ...]]
 #: over. Interning only saves memory; nothing relies on identity.
 _INTERN_MAX = 1 << 14
 
-_L1 = "l1"
 
 
 class _Binding:
@@ -166,14 +143,6 @@ class _Binding:
         self.offset = offset
         self.members = members
         self.indexed = indexed
-
-
-def _pkey(p: Placement) -> tuple[str, str, str]:
-    return p[0], p[2], p[3]
-
-
-def _private_l1(p: Placement, instance_id: str) -> bool:
-    return p[0] == instance_id and p[2] == _L1 and not p[5]
 
 
 class _Pending:
@@ -308,8 +277,8 @@ class KeyDirectory:
                 pls: tuple[Placement, ...] = ()
                 if b is not None:
                     for scope, placements in b.members:
-                        if (scope[0] == key.model_name and scope[1] == key.kv_rank
-                                and scope[2] == key.object_group_id and scope[3] == key.cache_salt):
+                        if (scope.model_name == key.model_name and scope.kv_rank == key.kv_rank
+                                and scope.object_group_id == key.object_group_id and scope.cache_salt == key.cache_salt):
                             pls = placements
                             break
                 out.append(pls)
@@ -352,8 +321,8 @@ class KeyDirectory:
             for h, b in self._bindings.items():
                 for scope, placements in b.members:
                     chosen = tuple(p for p in placements
-                                   if (tier is None or p[2] == tier) and (instance_id is None or p[0] == instance_id)
-                                   and (backend is None or p[3] == backend))
+                                   if (tier is None or p.tier == tier) and (instance_id is None or p.instance_id == instance_id)
+                                   and (backend is None or p.backend == backend))
                     if not chosen:
                         continue
                     if skip:
@@ -458,7 +427,7 @@ class KeyDirectory:
         column = entries.tokens
         lengths = column.lengths
         bindings = self._bindings
-        l1_inst = batch.instance_id if batch.tier == _L1 and not batch.shared else None
+        l1_inst = batch.instance_id if batch.tier == L1 and not batch.shared else None
         l1_set = self._l1_chunks.setdefault(l1_inst, set()) if l1_inst is not None else None
         placements: dict[int, Placement] = {}
         singles_get = self._singles.get
@@ -539,7 +508,7 @@ class KeyDirectory:
         self._bindings.update(zip(hashes, bs))
         self._num_keys += n
         self._num_placements += n
-        if batch.tier == _L1 and not batch.shared:
+        if batch.tier == L1 and not batch.shared:
             inst = batch.instance_id
             self._l1_chunks.setdefault(inst, set()).update(hashes)
             self._l1_keys[inst] = self._l1_keys.get(inst, 0) + n
@@ -590,22 +559,22 @@ class KeyDirectory:
         L1 placement on p's instance)``.
         """
         members = b.members
-        ident = _pkey(p)
+        ident = placement_ident(p)
         for j, (sc, pls) in enumerate(members):
             if sc == scope:
                 had_l1 = False
                 new_pls = None
                 for k, q in enumerate(pls):
-                    if _pkey(q) == ident:
+                    if placement_ident(q) == ident:
                         if q == p:
                             return False, False, False
                         new_pls = pls[:k] + (p,) + pls[k + 1:]
                         break
-                check_l1 = p[2] == _L1 and not p[5]
+                check_l1 = p.tier == L1 and not p.shared
                 if check_l1:
-                    had_l1 = any(_private_l1(q, p[0]) for q in pls)
+                    had_l1 = any(is_private_l1(q, p.instance_id) for q in pls)
                 if new_pls is None:
-                    new_pls = tuple(sorted(pls + (p,), key=_pkey))
+                    new_pls = tuple(sorted(pls + (p,), key=placement_ident))
                     self._num_placements += 1
                 b.members = self._intern(members[:j] + ((sc, self._intern(new_pls)),) + members[j + 1:])
                 return False, False, check_l1 and not had_l1
@@ -614,7 +583,7 @@ class KeyDirectory:
         b.members = self._intern(members + ((scope, (p,)),))
         self._num_keys += 1
         self._num_placements += 1
-        return True, new_ns, p[2] == _L1 and not p[5]
+        return True, new_ns, p.tier == L1 and not p.shared
 
     def _store_content(self, b: _Binding, h: bytes, scope: KeyScope, column: TokenColumn, i: int,
                        offset: int, new_ns: bool, pending: _Pending,
@@ -712,7 +681,7 @@ class KeyDirectory:
             members = b.members
             for j, (sc, pls) in enumerate(members):
                 if sc == scope:
-                    kept = tuple(q for q in pls if _pkey(q) != ident)
+                    kept = tuple(q for q in pls if placement_ident(q) != ident)
                     if len(kept) != len(pls):
                         self._replace_placements(h, b, j, pls, kept)
                     break
@@ -726,7 +695,7 @@ class KeyDirectory:
             j = 0
             while j < len(b.members):
                 pls = b.members[j][1]
-                kept = tuple(q for q in pls if not _private_l1(q, instance_id))
+                kept = tuple(q for q in pls if not is_private_l1(q, instance_id))
                 if len(kept) != len(pls):
                     self._replace_placements(h, b, j, pls, kept, l1_exact=False)
                     if not kept:
@@ -763,15 +732,15 @@ class KeyDirectory:
 
     def _drop_l1_bookkeeping(self, h: bytes, b: _Binding, j: int, old: tuple[Placement, ...],
                              kept: tuple[Placement, ...]) -> None:
-        for inst in {q[0] for q in old if q[2] == _L1 and not q[5]}:
-            if any(_private_l1(q, inst) for q in kept):
+        for inst in {q.instance_id for q in old if q.tier == L1 and not q.shared}:
+            if any(is_private_l1(q, inst) for q in kept):
                 continue
             left = self._l1_keys.get(inst, 0) - 1
             if left > 0:
                 self._l1_keys[inst] = left
             else:
                 self._l1_keys.pop(inst, None)
-            others = any(_private_l1(q, inst) for k, (_, pls) in enumerate(b.members) if k != j for q in pls)
+            others = any(is_private_l1(q, inst) for k, (_, pls) in enumerate(b.members) if k != j for q in pls)
             if not others:
                 chunks = self._l1_chunks.get(inst)
                 if chunks is not None:

@@ -36,9 +36,8 @@ from typing import Literal
 import numba
 import numpy as np
 
-from blendmatch.gpu.engine import SlotChanges
-
-from .fingerprint import mix64_scalar, tag_of_mixed
+from blendmatch.gpu import SlotChanges
+from blendmatch.gpu.fingerprint import mix64_scalar, tag_of_mixed
 
 __all__ = ["FilterMode", "SlotArray", "SlotChanges", "MIN_TABLE_SIZE", "LOAD_RATIO"]
 

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from numba.typed import List as NumbaList
 
-from .fingerprint import mix64_scalar
+from blendmatch.gpu.fingerprint import mix64_scalar
 
 __all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE"]
 

@@ -125,7 +125,7 @@ make_shim() {  # last resort: the package-dir layout (blendmatch.index -> index/
     local shim="$RES/.shim"
     rm -rf "$shim" && mkdir -p "$shim/blendmatch"
     for f in "$REPO"/blendmatch/*; do ln -s "$f" "$shim/blendmatch/$(basename "$f")"; done
-    for sub in index gpu service; do ln -s "$REPO/$sub" "$shim/blendmatch/$sub"; done
+    for sub in bench index gpu service; do ln -s "$REPO/$sub" "$shim/blendmatch/$sub"; done
     export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
     echo "using a PYTHONPATH shim at $shim"
 }
@@ -173,7 +173,8 @@ install() {
 trial() {
     "$PY" - <<'EOF'
 import sys
-from blendmatch.gpu.cupy_engine import create_gpu_engine, gpu_unavailable_reason
+from blendmatch.gpu.cupy_engine import gpu_unavailable_reason
+from blendmatch.gpu.select import create_gpu_engine
 why = gpu_unavailable_reason()
 if why:
     print("GPU unavailable:", why)
@@ -200,7 +201,7 @@ gpu_tests() {
 
 # ------------------------------------------------------------------------------------- 5. bench
 micro_bench() {
-    timeout "$STEP_TIMEOUT" "$PY" -m blendmatch.gpu.cupy_engine --chunks "${BENCH_CHUNKS:-1000000}" \
+    timeout "$STEP_TIMEOUT" "$PY" -m blendmatch.bench.gpu_micro --chunks "${BENCH_CHUNKS:-1000000}" \
         --queries 64 --tokens 32768 --window 256 --stride 1 --iters "${BENCH_ITERS:-20}" \
         --kernels "${GPU_KERNELS:-fused,array}" --check cpu --out "$RES"
     "$PY" - "$RES/bench_gpu.json" <<'EOF'
@@ -221,12 +222,8 @@ EOF
 service_bench() {
     local args=(--engine gpu --chunks "${BENCH_CHUNKS:-1000000}" --query-tokens 32768 --batch-queries 1,16,64
                 --hit-fractions 0,0.25 --repeat 3 --json "$RES/bench_service_gpu.json")
-    if "$PY" -c "import blendmatch.service" >/dev/null 2>&1; then
-        timeout "$STEP_TIMEOUT" "$PY" -m blendmatch.service.bench "${args[@]}"
-    else  # the service package needs FastAPI; the benchmark itself does not
-        echo "blendmatch.service does not import here (optional dependencies); running service/bench.py directly"
-        timeout "$STEP_TIMEOUT" "$PY" "$REPO/service/bench.py" "${args[@]}"
-    fi
+    # bench/ imports only gpu and index (no FastAPI), so it runs without the service's extras
+    timeout "$STEP_TIMEOUT" "$PY" -m blendmatch.bench.engine "${args[@]}"
 }
 
 # ------------------------------------------------------------------------------------------ run

@@ -1,56 +1,45 @@
-"""The service room: everything a user talks to (HTTP app, micro-batcher, CLI, client).
+"""The top room: what users talk to over the network (HTTP app, micro-batcher, CLI, client).
 
-Public surface (sorted; modules themselves are implementation detail)::
+Public surface (loaded on first use, so ``import blendmatch.service.client`` loads neither
+FastAPI nor numba)::
 
-    from blendmatch.service import BlendClient, ServiceConfig, create_app, resolve_overlaps
+    from blendmatch.service import BlendClient, AsyncBlendClient, ServiceConfig, create_app
+
+Everything else is an implementation detail of its module.
 """
 
-from .app import create_app
-from .batcher import BatchRecord, MicroBatcher
-from .client import (
-    AsyncBlendClient,
-    BlendClient,
-    BlendClientError,
-    BlendConnectionError,
-    BlendHTTPError,
-    resolve_overlaps,
-)
-from .config import ServiceConfig
-from .context import ServiceContext
-from .errors import (
-    BatchError,
-    BatchOutputMismatch,
-    InvalidRequest,
-    LimitExceeded,
-    RequestRejected,
-    ServiceError,
-    ServiceUnavailable,
-    TokenDecodeError,
-)
-from .metrics import ServiceMetrics
-from .tokens import decode_tokens, encode_tokens
+from __future__ import annotations
 
-__all__ = [
-    "AsyncBlendClient",
-    "BatchError",
-    "BatchOutputMismatch",
-    "BatchRecord",
-    "BlendClient",
-    "BlendClientError",
-    "BlendConnectionError",
-    "BlendHTTPError",
-    "InvalidRequest",
-    "LimitExceeded",
-    "MicroBatcher",
-    "RequestRejected",
-    "ServiceConfig",
-    "ServiceContext",
-    "ServiceError",
-    "ServiceMetrics",
-    "ServiceUnavailable",
-    "TokenDecodeError",
-    "create_app",
-    "decode_tokens",
-    "encode_tokens",
-    "resolve_overlaps",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: Public name -> the module (in this package) that defines it.
+_EXPORTS: dict[str, str] = {
+    "AsyncBlendClient": "client",
+    "BlendClient": "client",
+    "BlendClientError": "client",
+    "ServiceConfig": "config",
+    "create_app": "app",
+    "resolve_overlaps": "client",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from .app import create_app
+    from .client import AsyncBlendClient, BlendClient, BlendClientError, resolve_overlaps
+    from .config import ServiceConfig

@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.types import Receive, Scope, Send
 
 import blendmatch
-from blendmatch.index.events import EventRequestModel
+from blendmatch.index.wire_models import EventRequestModel
 from blendmatch.index.key_directory import KeyDirectory
 
 from . import routes_directory, routes_events, routes_lookup, routes_ops

@@ -27,7 +27,7 @@ _SUBCOMMANDS = ("serve", "bench", "loadtest", "openapi")
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
-    from blendmatch.gpu.engine import ENGINE_NAMES
+    from blendmatch.gpu import ENGINE_NAMES
 
     from .config import ServiceConfig
 
@@ -133,11 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return _serve(rest)
     if command == "bench":
-        from . import bench
+        from blendmatch.bench import engine as engine_bench  # bench is imported by nothing else
 
-        return int(bench.main(rest) or 0)
+        return int(engine_bench.main(rest) or 0)
     if command == "loadtest":
-        from . import loadtest
+        from blendmatch.bench import loadtest
 
         return int(loadtest.main(rest) or 0)
     if command == "openapi":

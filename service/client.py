@@ -22,9 +22,9 @@ from urllib.parse import quote
 
 import httpx
 
+from blendmatch.index.tokens import encode_tokens
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
-from .tokens import encode_tokens
 
 __all__ = [
     "AsyncBlendClient",

@@ -34,7 +34,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from blendmatch.gpu.engine import EngineName
+from blendmatch.gpu import EngineName
+from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS
 
 __all__ = ["ServiceConfig", "LogLevel", "BODY_BYTES_PER_TOKEN", "BODY_SLACK_BYTES"]
 
@@ -60,7 +61,7 @@ class ServiceConfig(BaseModel):
     engine: EngineName = "auto"
     max_batch_tokens: int = Field(default=1 << 18, ge=1, description="token budget of one engine batch")
     max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
-    max_request_tokens: int = Field(default=1_000_000, ge=1)
+    max_request_tokens: int = Field(default=DEFAULT_MAX_REQUEST_TOKENS, ge=1)
     max_body_bytes: int | None = Field(default=None, ge=1024, description="None: derived from max_request_tokens")
     engine_threads: int | None = Field(default=None, ge=1,
                                        description="CPU engine threads; None: one less than the CPUs (min 1)")

@@ -34,13 +34,13 @@ import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index.tokens import TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count, decode_b64_many
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
 from .batcher import MicroBatcher
 from .config import ServiceConfig
-from .errors import LimitExceeded, ServiceUnavailable, TokenDecodeError
+from .errors import LimitExceeded, ServiceUnavailable
 from .metrics import ServiceMetrics
-from .tokens import b64_token_count, decode_b64_many
 
 __all__ = ["ServiceContext", "LookupQuery", "Ctx", "get_context", "build_directory"]
 
@@ -163,10 +163,10 @@ class ServiceContext:
     # ------------------------------------------------------------------ lookups
     def check_tokens(self, n: int) -> None:
         """413 when one request carries more than ``max_request_tokens`` tokens."""
-        if n > self.config.max_request_tokens:
-            raise LimitExceeded(
-                f"request carries {n} tokens, over the limit of {self.config.max_request_tokens} "
-                "(--max-request-tokens)")
+        try:
+            check_token_count(n, self.config.max_request_tokens)
+        except TokenLimitExceeded as exc:
+            raise LimitExceeded(f"{exc.reason} (--max-request-tokens)") from None
 
     async def lookup(self, query: LookupQuery) -> bytes:
         """One query through the batcher -> its ``{"matches": ...}`` JSON bytes.

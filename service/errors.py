@@ -5,7 +5,6 @@ Class tree::
     ServiceError                 base; never raised itself
     ├── RequestRejected          the caller's fault: a 4xx with a stable JSON body
     │   ├── InvalidRequest       422: a field is missing, mistyped or undecodable
-    │   │   └── TokenDecodeError 422: tokens_b64 / token_ids cannot become uint32 ids
     │   └── LimitExceeded        413: the body or the token count is over a configured limit
     ├── ServiceUnavailable       503: the batcher is not running (starting up / shutting down)
     └── BatchError               the batcher's own failures (never the caller's fault)
@@ -14,8 +13,9 @@ Class tree::
 Every 4xx body is ``{"detail": "<one readable sentence naming the field>"}``; schema errors
 add ``"errors": [{"loc", "msg", "type"}]`` for machines. An unexpected exception becomes a
 JSON 500 (counted in ``blendmatch_http_internal_errors_total``); that is a bug, never a path
-for bad input. ``TokenDecodeError`` is also a ``ValueError`` so pydantic validators may raise
-it and surface it as a 422 with the same message.
+for bad input. Token errors are ``blendmatch.index.tokens.TokenDecodeError`` (one type for
+every token rule, a ``ValueError``): routes turn it into :class:`InvalidRequest` (422), and
+its ``TokenLimitExceeded`` subclass into :class:`LimitExceeded` (413).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ __all__ = [
     "ServiceError",
     "RequestRejected",
     "InvalidRequest",
-    "TokenDecodeError",
     "LimitExceeded",
     "ServiceUnavailable",
     "BatchError",
@@ -52,14 +51,6 @@ class InvalidRequest(RequestRejected):
     """A field is missing, of the wrong type or cannot be decoded (422)."""
 
     status_code = 422
-
-
-class TokenDecodeError(InvalidRequest, ValueError):
-    """``tokens_b64`` / ``token_ids`` do not decode to uint32 token ids; ``field`` names which."""
-
-    def __init__(self, field: str, detail: str) -> None:
-        super().__init__(f"{field}: {detail}")
-        self.field = field
 
 
 class LimitExceeded(RequestRejected):

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from blendmatch.index.events import EventValidationError
+from blendmatch.index.wire import EventValidationError
 
 from .errors import ServiceError
 from .metrics import ServiceMetrics

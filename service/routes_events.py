@@ -1,7 +1,7 @@
 """Cache-event ingest (``POST /events``) and fencing (``DELETE /instances/{instance_id}``).
 
 ``POST /events`` takes LMCache's body ``{"batches": [...]}`` (the shape is documented in
-``blendmatch.index.events`` and in the OpenAPI schema as ``EventRequestModel``). The raw
+``blendmatch.index.wire`` and in the OpenAPI schema as ``EventRequestModel``). The raw
 bytes are handed to the events thread, which decodes the JSON, validates the request as a
 whole and applies it through the directory's ingest gate: a malformed request is a 422
 naming the field and nothing of it is applied. Per instance, batches must be sent in

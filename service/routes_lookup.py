@@ -17,7 +17,9 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from .context import Ctx, LookupQuery, ServiceContext, query_tokens
-from .errors import InvalidRequest, TokenDecodeError
+from blendmatch.index.tokens import TokenDecodeError, decode_token_ids
+
+from .errors import InvalidRequest
 from .schemas import (
     BlendBatchLookupRequest,
     BlendBatchLookupResponse,
@@ -25,7 +27,6 @@ from .schemas import (
     BlendLookupResponse,
     ErrorResponse,
 )
-from .tokens import decode_tokens
 
 __all__ = ["router", "ERROR_RESPONSES", "answer_lookup", "answer_lookup_batch", "query_of"]
 
@@ -44,9 +45,9 @@ def query_of(body: BlendLookupRequest, where: str = "body") -> LookupQuery:
     if body.tokens_b64 is not None:
         return body.tokens_b64, body.namespace
     try:
-        return decode_tokens(token_ids=body.token_ids), body.namespace
+        return decode_token_ids(body.token_ids), body.namespace
     except TokenDecodeError as exc:
-        raise InvalidRequest(f"{where}.{exc.detail}") from None
+        raise InvalidRequest(f"{where}.{exc}") from None
 
 
 async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest) -> bytes:
@@ -57,7 +58,7 @@ async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest) -> bytes:
     try:
         payload = await ctx.lookup(query)
     except TokenDecodeError as exc:
-        raise InvalidRequest(f"body.{exc.detail}") from None
+        raise InvalidRequest(f"body.{exc}") from None
     ctx.metrics.lookup_latency_single.observe(time.perf_counter() - t0)
     return payload
 
@@ -70,7 +71,7 @@ async def answer_lookup_batch(ctx: ServiceContext, body: BlendBatchLookupRequest
     parts = await ctx.lookup_many(queries)
     for i, part in enumerate(parts):
         if isinstance(part, TokenDecodeError):
-            raise InvalidRequest(f"body.queries.{i}.{part.detail}")
+            raise InvalidRequest(f"body.queries.{i}.{part}")
         if isinstance(part, BaseException):
             raise part
     ctx.metrics.lookup_latency_batch.observe(time.perf_counter() - t0)

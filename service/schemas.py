@@ -9,7 +9,7 @@ ascending ``cur_st`` (several chunks may share a ``cur_st``; matches may overlap
 Validation is strict (no coercion): ``"2"`` is not a world size, ``true`` is not a token id,
 ``1.0`` is not an integer. Unknown fields are ignored (forward compatibility with newer
 clients). The models check shapes and types; the token *content* is decoded by
-:mod:`blendmatch.service.tokens` (``token_ids`` on the event loop, ``tokens_b64`` on the
+:mod:`blendmatch.index.tokens` (``token_ids`` on the event loop, ``tokens_b64`` on the
 lookup thread for a whole batch at once), and a decoding failure is a 422 whose message
 names the field, like a schema error. The token-count limit (413) needs the server's
 configuration and is checked by the route.
@@ -25,7 +25,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from blendmatch.index.events import ObjectKeyModel
+from blendmatch.index.wire_models import ObjectKeyModel
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
 

@@ -44,7 +44,7 @@ def gpu_engine_or_skip(kernels: str = "fused") -> Engine:
         if os.environ.get(REQUIRE_GPU_ENV) == "1":
             pytest.fail(f"{REQUIRE_GPU_ENV}=1 but no usable GPU: {why}")
         pytest.skip(f"no usable GPU: {why}")
-    from blendmatch.gpu.cupy_engine import create_gpu_engine
+    from blendmatch.gpu.select import create_gpu_engine
 
     return create_gpu_engine(reason="test", kernels=kernels)
 

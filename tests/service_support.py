@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Sequence
 import httpx
 import numpy as np
 
-from blendmatch.index.events import wire_batch, wire_entry
+from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.index.types import pack_kv_rank
 from blendmatch.service.app import create_app
 from blendmatch.service.config import ServiceConfig

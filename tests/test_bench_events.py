@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from blendmatch.service import bench_events
+from blendmatch.bench import events as bench_events
 
 
 def test_both_input_forms_carry_the_same_batches():

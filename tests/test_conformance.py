@@ -9,7 +9,7 @@ import pytest
 from blendmatch.gpu.batch import Candidates, QueryBatch
 from blendmatch.gpu.reference import ReferenceEngine
 from blendmatch.index import BlendIndex, BlendMatch, BlendNamespace
-from blendmatch.index.fingerprint import chunk_fingerprints
+from blendmatch.gpu.fingerprint import chunk_fingerprints
 from blendmatch.index.slots import SlotArray
 
 NS = BlendNamespace("m")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from blendmatch.index.events import wire_batch, wire_entry
+from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.index.key_directory import SHARED_POOL_INSTANCE, KeyDirectory
 from blendmatch.index.types import BlendNamespace, ObjectKey, pack_kv_rank
 

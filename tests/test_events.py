@@ -10,21 +10,16 @@ import numpy as np
 import pydantic
 import pytest
 
-from blendmatch.index.events import (
+from blendmatch.index.gate import Admission, IngestGate, InstanceCursor
+from blendmatch.index.wire import (
     MAX_CACHE_SALT_CHARS,
-    Admission,
-    EventBatchModel,
     EventRequest,
-    EventRequestModel,
     EventValidationError,
-    IngestGate,
-    InstanceCursor,
     KeyScope,
     parse_event_batch,
     parse_event_request,
-    wire_batch,
-    wire_entry,
 )
+from blendmatch.index.wire_models import EventBatchModel, EventRequestModel, wire_batch, wire_entry
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.types import BlendNamespace, ObjectKey, pack_kv_rank
 
@@ -198,7 +193,7 @@ def test_tokens_b64_mixed_with_token_ids_in_one_batch():
 @pytest.mark.parametrize("extra", [{}, {"token_ids": []}])
 def test_tokens_b64_batch_takes_the_fast_path(monkeypatch, extra):
     """A batch whose entries all use tokens_b64 never goes entry by entry."""
-    from blendmatch.index import events
+    from blendmatch.index import wire as events
 
     entries = [_entry(key__chunk_hash_hex=f"{i:04x}", tokens_b64=_b64([i, i + 1]), **extra) for i in range(3)]
     parse_event_request({"batches": [_batch(entries)]})  # first-seen scope: may go slow once

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blendmatch.index import fingerprint as fpm
-from blendmatch.index.fingerprint import (
-    as_tokens,
+from blendmatch.gpu import fingerprint as fpm
+from blendmatch.index.tokens import as_tokens
+from blendmatch.gpu.fingerprint import (
     chunk_fingerprint,
     chunk_fingerprints,
     prefix_fingerprints,

@@ -26,9 +26,11 @@ import pytest
 from engines import gpu_engine_or_skip, gpu_skip_reason
 
 from blendmatch.gpu import cupy_engine
+from blendmatch.gpu import select as gpu_select
 from blendmatch.gpu.batch import Candidates, QueryBatch
 from blendmatch.gpu.cpu import CpuEngine
-from blendmatch.gpu.engine import EngineFailure, EngineUnavailable, select_engine
+from blendmatch.gpu.engine import EngineFailure, EngineUnavailable
+from blendmatch.gpu.select import select_engine
 from blendmatch.gpu.reference import ReferenceEngine
 from blendmatch.gpu.xp_probe import (
     TIMING_KEYS,
@@ -44,7 +46,7 @@ from blendmatch.gpu.xp_probe import (
     staging_layout,
     staging_views,
 )
-from blendmatch.index.fingerprint import power_tables, prefix_fingerprints, rolling_fingerprints
+from blendmatch.gpu.fingerprint import power_tables, prefix_fingerprints, rolling_fingerprints
 from blendmatch.index.slots import SlotArray
 
 REF = ReferenceEngine(reason="oracle")
@@ -396,7 +398,6 @@ def test_closed_engine_raises_engine_failure():
 def test_xp_engine_factory():
     eng = create_xp_engine("numpy")
     assert eng.name == "xp-numpy" and eng.reason
-    assert cupy_engine.XpEngine is XpEngine
     with pytest.raises(ValueError, match="torch"):
         create_xp_engine("torch")
 
@@ -498,7 +499,7 @@ def test_kernel_source_tag_and_slot_on_a_dense_random_table(host_kernels):
     plan = plan_windows(batch)
     probe = ArrayProbe(np)
     _, _, start = probe.coordinates(plan.wbase, plan.qstart, plan.windows, plan.stride)
-    from blendmatch.index.fingerprint import slots_and_tags
+    from blendmatch.gpu.fingerprint import slots_and_tags
 
     slot, tag = slots_and_tags(h[start], table.size - 1)
     table[slot[::2]] = tag[::2]  # half the windows hit their own tag
@@ -526,10 +527,10 @@ def test_kernel_source_compiles_as_cuda_for_hopper(tmp_path):
 
 
 def test_kernel_source_carries_the_fingerprint_constants():
-    from blendmatch.index import fingerprint as fp
+    from blendmatch.gpu import fingerprint as fp
 
     src = cupy_engine.KERNEL_SOURCE
-    assert f"{int(fp._FMIX_C1):#x}ULL" in src and f"{int(fp._FMIX_C2):#x}ULL" in src
+    assert f"{int(fp.FMIX_C1):#x}ULL" in src and f"{int(fp.FMIX_C2):#x}ULL" in src
     assert "bm_flag_kernel" in src and "bm_scatter_kernel" in src
 
 
@@ -537,9 +538,9 @@ def test_kernel_source_carries_the_fingerprint_constants():
 # selection, trial launch, self-test (CPU side)
 # --------------------------------------------------------------------------------------
 def test_self_test_passes_on_cpu_engines_and_catches_a_wrong_engine():
-    assert cupy_engine.self_test(XpEngine(np)) > 0
-    assert cupy_engine.self_test(CpuEngine(reason="test")) > 0
-    assert cupy_engine.self_test(XpEngine(np), oracle=ReferenceEngine()) > 0
+    assert gpu_select.self_test(XpEngine(np)) > 0
+    assert gpu_select.self_test(CpuEngine(reason="test")) > 0
+    assert gpu_select.self_test(XpEngine(np), oracle=ReferenceEngine()) > 0
 
     class DropsLast:
         name = "drops-last"
@@ -548,8 +549,8 @@ def test_self_test_passes_on_cpu_engines_and_catches_a_wrong_engine():
             c = REF.probe(batch, slots)
             return Candidates(c.query_index[:-1], c.cur_st[:-1], c.fingerprint[:-1], c.windows)
 
-    with pytest.raises(cupy_engine.GpuSelfTestError, match="refusing"):
-        cupy_engine.self_test(DropsLast())
+    with pytest.raises(gpu_select.GpuSelfTestError, match="refusing"):
+        gpu_select.self_test(DropsLast())
 
 
 def test_gpu_selection_without_cupy(monkeypatch):
@@ -573,14 +574,16 @@ def test_missing_cupy_names_the_install_hint():
 
 def test_bad_kernel_mode_is_value_error(monkeypatch):
     with pytest.raises(ValueError, match="kernels"):
-        cupy_engine.create_gpu_engine(kernels="magic")
+        gpu_select.create_gpu_engine(kernels="magic")
     monkeypatch.setenv(cupy_engine.KERNELS_ENV, "magic")
     with pytest.raises(ValueError, match="kernels"):
         select_engine("gpu")
 
 
 def test_bench_inputs_plant_hits():
-    qs, slots = cupy_engine._bench_inputs(chunks=1000, queries=3, tokens=600, window=32, stride=1)
+    from blendmatch.bench import gpu_micro
+
+    qs, slots = gpu_micro._bench_inputs(chunks=1000, queries=3, tokens=600, window=32, stride=1)
     assert slots.table.size == 16384
     batch = QueryBatch.from_queries(qs, 32, 1)
     got = CpuEngine(reason="test").probe(batch, slots)
@@ -616,7 +619,7 @@ def test_fake_device_kernel_and_host_prototypes_agree():
 
 @pytest.mark.parametrize("kernels", ["fused", "array"])
 def test_cupy_engine_on_fake_device_matches_reference(fake_device, kernels):
-    eng = cupy_engine.create_gpu_engine(reason="test", kernels=kernels)  # includes the self-test
+    eng = gpu_select.create_gpu_engine(reason="test", kernels=kernels)  # includes the self-test
     try:
         assert eng.name == "gpu" and eng.kernels == kernels and eng.device_name == "Fake numpy device"
         assert eng.batches == 0 and eng.stats()["full_uploads"] == 0  # trial state is reset
@@ -637,7 +640,7 @@ def test_cupy_engine_on_fake_device_matches_reference(fake_device, kernels):
 
 @pytest.mark.parametrize("kernels", ["fused", "array"])
 def test_cupy_engine_on_fake_device_follows_log_and_rebuild(fake_device, kernels):
-    eng = cupy_engine.create_gpu_engine(reason="test", kernels=kernels)
+    eng = gpu_select.create_gpu_engine(reason="test", kernels=kernels)
     try:
         rng = np.random.default_rng(32)
         batch, slots = make_case(rng, c=16, stride=3, max_len=3000)
@@ -658,7 +661,7 @@ def test_cupy_engine_on_fake_device_follows_log_and_rebuild(fake_device, kernels
 
 
 def test_cupy_engine_on_fake_device_wraps_launch_failures(fake_device):
-    eng = cupy_engine.create_gpu_engine(reason="test", kernels="fused")
+    eng = gpu_select.create_gpu_engine(reason="test", kernels="fused")
     try:
         rng = np.random.default_rng(33)
         batch, slots = make_case(rng, c=8, stride=1, max_len=500)
@@ -694,8 +697,8 @@ def test_create_gpu_engine_refuses_a_kernel_that_changes_answers(fake_device, mo
     broken = cupy_engine.KERNEL_SOURCE.replace("v == tag ||", "v == tag + 1u ||")
     assert broken != cupy_engine.KERNEL_SOURCE
     monkeypatch.setattr(cupy_engine, "KERNEL_SOURCE", broken)
-    with pytest.raises(cupy_engine.GpuSelfTestError, match="refusing"):
-        cupy_engine.create_gpu_engine(reason="test", kernels="fused")
+    with pytest.raises(gpu_select.GpuSelfTestError, match="refusing"):
+        gpu_select.create_gpu_engine(reason="test", kernels="fused")
     auto = select_engine("auto")  # auto falls back to the CPU, saying why
     assert auto.name == "cpu" and "self-test" in auto.reason
 
@@ -767,7 +770,9 @@ def test_gpu_change_log_and_rebuild_between_batches(gpu_engine):
 @pytest.mark.gpu
 @pytest.mark.parametrize("stride", [1, 4, 256])
 def test_gpu_large_batch_matches_cpu(gpu_engine, stride):
-    qs, slots = cupy_engine._bench_inputs(chunks=200_000, queries=8, tokens=32_768, window=256, stride=stride)
+    from blendmatch.bench import gpu_micro
+
+    qs, slots = gpu_micro._bench_inputs(chunks=200_000, queries=8, tokens=32_768, window=256, stride=stride)
     batch = QueryBatch.from_queries(qs, 256, stride)
     want = CpuEngine(reason="test").probe(batch, slots)
     got = gpu_engine.probe(batch, slots)
@@ -781,8 +786,10 @@ def test_gpu_out_of_memory_is_engine_failure_then_recovers():
     eng = gpu_engine_or_skip("fused")
     import cupy
 
+    from blendmatch.bench import gpu_micro
+
     try:
-        qs, slots = cupy_engine._bench_inputs(chunks=10_000, queries=4, tokens=65_536, window=64, stride=1)
+        qs, slots = gpu_micro._bench_inputs(chunks=10_000, queries=4, tokens=65_536, window=64, stride=1)
         batch = QueryBatch.from_queries(qs, 64, 1)
         want = eng.probe(batch, slots)
         pool = cupy.get_default_memory_pool()

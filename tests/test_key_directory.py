@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from blendmatch.index.events import EventValidationError, wire_batch, wire_entry
+from blendmatch.index.wire import EventValidationError
+from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.index.key_directory import (
     SHARED_POOL_INSTANCE,
     ApplyCounts,

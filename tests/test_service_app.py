@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from blendmatch.index.events import wire_batch, wire_entry
+from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.types import pack_kv_rank
 from service_support import C, MODEL, b64, chunks, config, events, hash_of, metric_samples, served, store

@@ -12,10 +12,10 @@ from blendmatch.service import cli
 
 def test_bench_forwards_argv_unchanged(monkeypatch):
     seen = {}
-    fake = types.ModuleType("blendmatch.service.bench")
+    fake = types.ModuleType("blendmatch.bench.engine")
     fake.main = lambda argv: seen.setdefault("argv", list(argv)) and 0
-    monkeypatch.setitem(sys.modules, "blendmatch.service.bench", fake)
-    monkeypatch.setattr("blendmatch.service.bench", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "blendmatch.bench.engine", fake)
+    monkeypatch.setattr("blendmatch.bench.engine", fake, raising=False)
     assert cli.main(["bench", "--chunks", "10", "--engine", "cpu"]) == 0
     assert seen["argv"] == ["--chunks", "10", "--engine", "cpu"]
 

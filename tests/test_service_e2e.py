@@ -15,7 +15,7 @@ import uvicorn
 from blendmatch.index.types import BlendMatch, BlendNamespace
 from blendmatch.service.app import create_app
 from blendmatch.service.client import BlendClient, BlendHTTPError, resolve_overlaps
-from blendmatch.service.loadtest import spawn_server, stop_server
+from blendmatch.bench.loadtest import spawn_server, stop_server
 from service_support import C, MODEL, chunks, config, hash_of, store
 
 
@@ -100,7 +100,7 @@ def test_cli_help_and_bad_flags():
 def test_loadtest_phases_against_a_live_server():
     import asyncio
 
-    from blendmatch.service import loadtest
+    from blendmatch.bench import loadtest
 
     workload = loadtest.Workload(chunk_size=C, chunks=300, tokens=512, matches_per_query=3, pool=8)
     with ServerThread(create_app(config())) as url:
@@ -129,7 +129,7 @@ def test_loadtest_phases_against_a_live_server():
 
 
 def test_loadtest_refuses_non_loopback_servers():
-    from blendmatch.service import loadtest
+    from blendmatch.bench import loadtest
 
     with pytest.raises(SystemExit, match="loopback"):
         loadtest.main(["--url", "http://10.0.0.1:9300", "--duration", "1"])

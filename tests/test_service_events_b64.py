@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blendmatch.index.events import wire_batch, wire_entry
+from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.index.types import pack_kv_rank
 from service_support import MODEL, b64, chunks, events, hash_of, served
 

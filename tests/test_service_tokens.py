@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from blendmatch.service.errors import TokenDecodeError
 from blendmatch.service.schemas import BlendBatchLookupRequest, BlendLookupRequest
-from blendmatch.service.tokens import MAX_TOKEN_ID, b64_token_count, decode_b64_many, decode_tokens, encode_tokens
+from blendmatch.index.tokens import MAX_TOKEN_ID, TokenDecodeError, b64_token_count, decode_b64_many, decode_tokens, encode_tokens
 
 
 def b64(ids) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blendmatch.index.fingerprint import TAG_SHARED, slots_and_tags
+from blendmatch.gpu.fingerprint import TAG_SHARED, slots_and_tags
 from blendmatch.index.slots import SlotArray
 
 

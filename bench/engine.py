@@ -1,6 +1,6 @@
 """The core benchmark: ingest, filter sharpness, matching throughput and memory, side by side.
 
-Run ``blendmatch bench`` (or ``python -m blendmatch.service.bench``); ``--help`` lists the
+Run ``blendmatch bench`` (or ``python -m blendmatch.bench.engine``); ``--help`` lists the
 knobs. Defaults finish in well under a minute on 2 cores; ``--chunks 1000000`` is the scale
 the targets in docs/performance.md are quoted at.
 
@@ -28,10 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from blendmatch.gpu.batch import QueryBatch
-from blendmatch.gpu.engine import ENGINE_NAMES, select_engine
-from blendmatch.index import BlendIndex, BlendNamespace
-from blendmatch.index.slots import SlotArray
+from blendmatch.gpu import ENGINE_NAMES, QueryBatch, select_engine
+from blendmatch.index import BlendIndex, BlendNamespace, SlotArray
 
 __all__ = ["main", "run"]
 
@@ -50,7 +48,7 @@ def _rss_bytes() -> int:
 
 def _make_engine(name: str):
     if name == "xp-numpy":
-        from blendmatch.gpu.cupy_engine import XpEngine
+        from blendmatch.gpu.xp_probe import XpEngine
 
         return XpEngine(xp=np)
     return select_engine(name)

@@ -26,8 +26,10 @@ token sum), so both come from ``m = fmix64(F)`` (murmur3's 64-bit finaliser):
 shared, see ``index/slots.py``). Slot and tag use disjoint bits of ``m`` for any table up
 to 2^56 slots, so they are independent.
 
-Import rule: this module is a leaf (numpy and numba only). The engines in ``gpu/`` import
-it, and nothing else from ``index/``, so that the hash has exactly one source of truth.
+Home: the bottom room (``gpu/``), because every engine hashes; ``index/`` (slots, storage,
+the blend index) imports it from here. It is a leaf: numpy and numba only, nothing of the
+project. It takes uint32 arrays: the token rules (what a token id is, the wire forms,
+limits) live in ``index/tokens.py``, above it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ __all__ = [
     "FP_BASE_INV",
     "TAG_EMPTY",
     "TAG_SHARED",
-    "as_tokens",
+    "B_U64",
+    "FMIX_C1",
+    "FMIX_C2",
     "base_powers",
     "chunk_fingerprint",
     "chunk_fingerprints",
@@ -71,60 +75,26 @@ TAG_EMPTY = 0
 #: Slot value of a slot holding two or more fingerprints (or stale after a removal).
 TAG_SHARED = 255
 
-_U64_B = np.uint64(FP_BASE)
-_FMIX_C1 = np.uint64(0xFF51AFD7ED558CCD)
-_FMIX_C2 = np.uint64(0xC4CEB9FE1A85EC53)
+#: ``FP_BASE`` as a numpy uint64 scalar (what compiled code multiplies by).
+B_U64 = np.uint64(FP_BASE)
+#: murmur3 fmix64 multipliers (the mixing step; the GPU kernels are rendered from these).
+FMIX_C1 = np.uint64(0xFF51AFD7ED558CCD)
+FMIX_C2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 _S56 = np.uint64(56)
 _S8 = np.uint64(8)
 _U254 = np.uint64(254)
 _U1 = np.uint64(1)
 
-_UINT32_MAX = 0xFFFFFFFF
 
 
-def as_tokens(tokens: Any, *, name: str = "tokens") -> np.ndarray:
-    """Return ``tokens`` as a 1-D C-contiguous uint32 array, or raise ``ValueError``.
-
-    Lossless conversions only: integer arrays/lists whose values all lie in 0..2^32-1 are
-    converted; floats, bools, negative values or values >= 2^32 are rejected with a message
-    that names the problem. A uint32 array is returned as is (no copy).
-    """
-    if isinstance(tokens, np.ndarray):
-        arr = tokens
-    else:
-        try:
-            arr = np.asarray(tokens)
-        except (OverflowError, ValueError) as exc:  # ragged or huge Python ints
-            raise ValueError(f"{name}: not a 1-D sequence of token ids ({exc})") from None
-        if arr.size == 0:
-            arr = arr.astype(np.uint32)
+def _uint32(tokens: Any) -> np.ndarray:
+    """``tokens`` as a 1-D uint32 array. Callers pass validated ids (``index/tokens.py`` owns
+    the token rules); a plain list of ids is converted by numpy for convenience."""
+    arr = tokens if isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32 else np.asarray(tokens, dtype=np.uint32)
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if arr.dtype == np.uint32:
-        return np.ascontiguousarray(arr)
-    if arr.dtype == object:
-        # Python ints too large for int64 land here.
-        try:
-            if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr):
-                raise ValueError(f"{name} must hold integers, got non-integer values")
-            lo, hi = min(arr, default=0), max(arr, default=0)
-        except TypeError:
-            raise ValueError(f"{name} must hold integers") from None
-        _check_range(int(lo), int(hi), name)
-        return np.asarray([int(v) for v in arr], dtype=np.uint32)
-    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
-        raise ValueError(f"{name} must be an integer array of token ids, got dtype {arr.dtype}")
-    if arr.size:
-        _check_range(int(arr.min()), int(arr.max()), name)
-    return np.ascontiguousarray(arr, dtype=np.uint32)
-
-
-def _check_range(lo: int, hi: int, name: str) -> None:
-    if lo < 0:
-        raise ValueError(f"{name}: token ids must be >= 0, got {lo}")
-    if hi > _UINT32_MAX:
-        raise ValueError(f"{name}: token ids must be < 2^32, got {hi}")
+        raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
+    return arr
 
 
 @lru_cache(maxsize=64)
@@ -143,7 +113,7 @@ def base_powers(chunk_size: int) -> np.ndarray:
 
 def chunk_fingerprint(tokens: Any) -> int:
     """F of one window (the whole of ``tokens``), as a Python int in 0..2^64-1."""
-    arr = as_tokens(tokens)
+    arr = _uint32(tokens)
     if arr.size == 0:
         return 0
     with np.errstate(over="ignore"):
@@ -175,7 +145,7 @@ def _chunk_fingerprints_nb(tokens2d, pows):  # pragma: no cover - compiled
 @numba.njit(inline="always", nogil=True)
 def roll_step(h, out_token, in_token, top_power):  # pragma: no cover - compiled
     """One rolling step: drop ``out_token`` (weight ``B^(C-1)``), shift, add ``in_token``."""
-    return (h - np.uint64(out_token) * top_power) * _U64_B + np.uint64(in_token)
+    return (h - np.uint64(out_token) * top_power) * B_U64 + np.uint64(in_token)
 
 
 @numba.njit(inline="always", nogil=True)
@@ -199,7 +169,7 @@ def rolling_fingerprints(tokens: Any, chunk_size: int) -> np.ndarray:
     """F of every window ``tokens[j:j+C]``, j = 0..n-C, by the rolling form (uint64)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    arr = as_tokens(tokens)
+    arr = _uint32(tokens)
     if arr.size < chunk_size:
         return np.zeros(0, dtype=np.uint64)
     return _rolling_nb(arr, chunk_size, base_powers(chunk_size)[0])
@@ -211,7 +181,7 @@ def _rolling_nb(q, c, top):  # pragma: no cover - compiled
     out = np.empty(n, dtype=np.uint64)
     h = np.uint64(0)
     for i in range(c):
-        h = h * _U64_B + np.uint64(q[i])
+        h = h * B_U64 + np.uint64(q[i])
     out[0] = h
     for j in range(1, n):
         h = roll_step(h, q[j - 1], q[j + c - 1], top)
@@ -268,9 +238,9 @@ def prefix_fingerprints(tokens: Any, chunk_size: int, xp: ModuleType = np,
 def mix64(h: Any, xp: ModuleType = np) -> Any:
     """murmur3 fmix64 over a uint64 array (any ``xp``)."""
     h = h ^ (h >> _S33)
-    h = h * _FMIX_C1
+    h = h * FMIX_C1
     h = h ^ (h >> _S33)
-    h = h * _FMIX_C2
+    h = h * FMIX_C2
     return h ^ (h >> _S33)
 
 

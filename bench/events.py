@@ -36,7 +36,7 @@ its own bookkeeping) plus the index's token blocks that are mapped straight from
 blocks, so every per-chunk figure carries up to ``8 MiB / entries`` of block slack: use
 100k entries or more.
 
-Run: ``python -m blendmatch.service.bench_events [--entries N] [--batch N] [--chunk-size N]
+Run: ``python -m blendmatch.bench.events [--entries N] [--batch N] [--chunk-size N]
 [--engine cpu] [--repeats N] [--no-memory] [--json]``.
 """
 
@@ -54,8 +54,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from blendmatch.index.events import parse_event_request
-from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index import KeyDirectory, parse_event_request
 
 __all__ = ["make_requests", "run", "main"]
 
@@ -248,7 +247,7 @@ def run(num_entries: int = 100_000, batch_entries: int = 1000, chunk_size: int =
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m blendmatch.service.bench_events",
+    parser = argparse.ArgumentParser(prog="python -m blendmatch.bench.events",
                                      description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--entries", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=1000)

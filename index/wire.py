@@ -1,7 +1,8 @@
-"""Cache events: LMCache's ``POST /events`` wire shape, its validation, and the ingest gate.
+"""Cache events: LMCache's ``POST /events`` wire shape and its fast validating parser.
 
-Question answered: "is this request of cache events well formed, and which of its batches
-should the directory apply?"
+Question answered: "is this request of cache events well formed, and what does it say?"
+(Which batches to apply is the gate's question, ``gate.py``; the same shape as pydantic
+models for the OpenAPI schema is ``wire_models.py``; token rules are ``tokens.py``.)
 
 The wire shape (LMCache-compatible JSON; unknown fields are ignored so that newer senders
 keep working)::
@@ -26,7 +27,7 @@ keep working)::
 
 ``tokens_b64`` (a blendmatch extension; LMCache senders send ``token_ids``): the entry's
 token ids as standard base64 of little-endian uint32, the form the blend-lookup endpoint
-takes. Decoded strictly, exactly as ``base64.b64decode(s, validate=True)``: a character
+takes, decoded by the same strict decoder (``tokens.decode_b64_many``): a character
 outside ``A-Z a-z 0-9 + /`` (whitespace included), wrong padding, or a decoded length that
 is not a multiple of 4 bytes is an error naming ``...tokens_b64``; a non-string is an error;
 ``""`` or ``null`` means no tokens. An entry gives ``token_ids`` or ``tokens_b64``, not both
@@ -48,13 +49,13 @@ costs more than the whole ingest budget. A batch is checked column by column wit
 entry), and its tokens are converted in one go: lists with ``array('I').fromlist`` (a C loop
 that range-checks for free; it is bound by reading the Python ints, 1.5-3 us per 256-token
 entry on the 2-core dev VM depending on how cold they are), packed tokens with one buffer
-copy (no per-token work), ``tokens_b64`` strings with one C-level ``map`` of the strict
-base64 decoder into bytes that then take the packed path. Only a batch with something
+copy (no per-token work), ``tokens_b64`` strings with one call of the strict base64
+decoder for the whole batch, whose arrays then take the packed path. Only a batch with something
 unusual (a missing field, a bad value, a first-seen key scope, ids outside uint32, token
 forms mixed in one batch, ``tokens_b64`` beside non-empty ``token_ids``) takes
-the entry-by-entry path that names the bad field. The pydantic models at the bottom
-(:class:`EventRequestModel`) describe the same shape for OpenAPI; a test checks that both
-accept and reject the same payloads.
+the entry-by-entry path that names the bad field. The pydantic models in
+``wire_models.py`` describe the same shape for OpenAPI; a test checks that both accept and
+reject the same payloads.
 
 Token ids outside ``0..2^32-1`` are *valid on the wire*: such an entry is applied (its
 placement counts) but it fills no token binding (the directory logs a warning). Any other
@@ -64,34 +65,23 @@ non-integer token id is a validation error. Known leniency: JSON ``true``/``fals
 Errors: :class:`EventValidationError` (a ``ValueError``) names the field by its path,
 e.g. ``batches[0].entries[3].key.chunk_hash_hex``. A request is validated whole before
 anything is applied, so a bad batch rejects the request and nothing of it is applied.
-
-The gate (:class:`IngestGate`) is transport-neutral: HTTP feeds it today, a durable log
-(Kafka) can feed it the same batches later. Per instance it keeps ``(incarnation,
-last_seq)``: a lower incarnation is stale; a higher one means the instance restarted, so its
-L1 placements must be fenced before the batch is applied; ``seq <= last_seq`` is a duplicate;
-a gap (``seq > last_seq + 1``) is logged, counted and admitted. Not thread-safe by itself:
-the directory calls it under its own lock.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import enum
 import logging
 import math
 import sys
 from array import array
 from dataclasses import dataclass
-from functools import partial
 from itertools import accumulate, chain, repeat
-from operator import attrgetter, itemgetter
-from typing import Any, Iterable, Literal, NamedTuple, Optional, Sequence
+from operator import itemgetter
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .types import BlendNamespace, ObjectKey, UNKNOWN_TOKEN_OFFSET, world_size_of_kv_rank
+from .tokens import TokenDecodeError, decode_b64, decode_b64_many, pack_token_lists, packed_token_ids
+from .types import UNKNOWN_TOKEN_OFFSET, BlendNamespace, ObjectKey, world_size_of_kv_rank
 
 __all__ = [
     "EVENT_TYPES",
@@ -106,21 +96,12 @@ __all__ = [
     "EventRequest",
     "parse_event_request",
     "parse_event_batch",
-    "wire_entry",
-    "wire_batch",
-    "Admission",
-    "InstanceCursor",
-    "IngestGate",
-    "ObjectKeyModel",
-    "EventEntryModel",
-    "EventBatchModel",
-    "EventRequestModel",
+    "INT64_MAX",
+    "KV_RANK_MAX",
 ]
 
 log = logging.getLogger(__name__)
 
-EventType = Literal["store", "delete", "access", "config"]
-Tier = Literal["l1", "l2"]
 EVENT_TYPES: tuple[str, ...] = ("store", "delete", "access", "config")
 TIERS: tuple[str, ...] = ("l1", "l2")
 
@@ -130,11 +111,9 @@ MAX_CHUNK_HASH_BYTES = 128
 #: Longest cache salt (characters); salts are tenant tags, not payloads.
 MAX_CACHE_SALT_CHARS = 128
 _SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
-_KV_RANK_MAX = 0xFFFFFFFF
-_INT64_MAX = (1 << 63) - 1
-
-if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte int
-    raise ImportError("blendmatch needs a 4-byte C unsigned int for token parsing")
+#: Largest packed ``kv_rank`` (a uint32: rank, world size, ... see ``types.pack_kv_rank``).
+KV_RANK_MAX = 0xFFFFFFFF
+INT64_MAX = (1 << 63) - 1
 
 
 class EventValidationError(ValueError):
@@ -360,15 +339,11 @@ _EMPTY_TOKENS = np.zeros(0, dtype=np.uint32)
 _EMPTY_TOKENS.setflags(write=False)
 _EMPTY_COLUMN = TokenColumn(_EMPTY_TOKENS, [], [])
 _NO_TOKENS: list[int] = []
-_UINT32 = np.dtype(np.uint32)
-_UINT32_MAX = 0xFFFFFFFF
 _PACKED_TOKENS = (np.ndarray, bytes, bytearray, memoryview)
 # Batch-wide type checks: the set of the types seen must be exactly (or within) these.
 _INT_ONLY = {int}
 _LIST_ONLY = {list}
 _ARRAY_ONLY = {np.ndarray}
-_BYTES_ONLY = {bytes}
-_ONE_DIM = {1}
 _SCOPE_ONLY = {KeyScope}
 # Getters of required fields, applied with ``map``: a C loop per column, and no tuple per
 # entry (a tuple is a GC-tracked allocation; a thousand live ones trigger a collection that
@@ -378,21 +353,9 @@ _CHUNK_HASH_HEX = itemgetter("chunk_hash_hex")
 _MODEL_NAME = itemgetter("model_name")
 _KV_RANK = itemgetter("kv_rank")
 _SIZE_BYTES = itemgetter("size_bytes")
-_NDIM = attrgetter("ndim")
-_DTYPE = attrgetter("dtype")
 _TOKENS_B64 = itemgetter("tokens_b64")
 _HAS_FIELD = dict.__contains__  # ``map(_HAS_FIELD, rows, repeat(name))``: a C loop of ``name in row``
 _STR_ONLY = {str}
-#: Strict standard base64 -> bytes, exactly ``base64.b64decode(s, validate=True)``: a C
-#: function, so ``map`` over a batch's strings runs no Python statement per entry (on 3.11+,
-#: ``b64decode(s, validate=True)`` is ``a2b_base64(s, strict_mode=True)`` plus Python glue).
-#: Raises ``binascii.Error``/``ValueError`` (both ``ValueError``) for anything invalid.
-if sys.version_info >= (3, 11):
-    _b64decode_strict = partial(binascii.a2b_base64, strict_mode=True)
-else:  # pragma: no cover - 3.10 has no strict_mode
-    _b64decode_strict = partial(base64.b64decode, validate=True)
-
-
 def _empty_entries() -> EntryColumns:
     return EntryColumns([], [], [], [], _EMPTY_COLUMN)
 
@@ -434,8 +397,8 @@ def _parse_entries(raw: Any) -> EntryColumns:
               and 0 < min(hash_lens) and max(hash_lens) <= MAX_CHUNK_HASH_BYTES
               and set(map(type, scopes)) == _SCOPE_ONLY
               and set(map(type, chain(kv_ranks, groups, sizes, offsets))) == _INT_ONLY
-              and 0 <= min(sizes) and max(sizes) <= _INT64_MAX
-              and UNKNOWN_TOKEN_OFFSET <= min(offsets) and max(offsets) <= _INT64_MAX)
+              and 0 <= min(sizes) and max(sizes) <= INT64_MAX
+              and UNKNOWN_TOKEN_OFFSET <= min(offsets) and max(offsets) <= INT64_MAX)
         if ok:
             if any(map(_HAS_FIELD, raw, repeat("tokens_b64"))):
                 tokens = _b64_token_column(raw)
@@ -458,69 +421,18 @@ def _column(rows: list, name: str, default: Any) -> list:
 
 
 def _token_column(token_lists: list[Any]) -> Optional[TokenColumn]:
-    """Every entry's ``token_ids`` in one read-only uint32 buffer, or None when the batch
-    needs the entry-by-entry path (kinds mixed, a bad value, ids outside uint32).
-
-    Three batch-wide forms. Lists of ints (decoded JSON) go through
-    ``array('I').fromlist``: a C loop that range-checks and leaves the buffer unchanged
-    when it fails, bound by reading the Python ints. Packed forms cost no per-token work:
-    numpy integer arrays are copied into one buffer (``bytes.join`` for 1-D uint32 arrays,
-    a plain byte copy that is cheaper per array than ``np.concatenate``), ``bytes`` of
-    little-endian uint32 (a binary transport) are joined. The buffer is always a copy, so a
-    producer may reuse its arrays once the call returns.
-    """
-    kinds = set(map(type, token_lists))
-    if kinds == _LIST_ONLY:
-        buf = array("I")
-        fromlist = buf.fromlist
-        try:
-            for ids in token_lists:
-                fromlist(ids)
-        except (OverflowError, TypeError):
-            return None
-        flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else _EMPTY_TOKENS
-        lengths = list(map(len, token_lists))
-    elif kinds == _ARRAY_ONLY:
-        if set(map(_NDIM, token_lists)) != _ONE_DIM:
-            return None
-        dtypes = set(map(_DTYPE, token_lists))
-        dtype = dtypes.pop()
-        if dtypes or dtype.kind not in "iu":  # mixed dtypes (numpy would promote) or not integers
-            return None
-        flat = None
-        if dtype == _UINT32:
-            try:
-                joined = b"".join(token_lists)
-                flat = np.frombuffer(joined, dtype=np.uint32) if joined else _EMPTY_TOKENS
-            except TypeError:  # a strided array exports no plain buffer
-                pass
-        if flat is None:
-            flat = np.concatenate(token_lists)
-            if dtype != _UINT32:
-                if flat.size and (int(flat.min()) < 0 or int(flat.max()) > _UINT32_MAX):
-                    return None
-                flat = flat.astype(np.uint32)
-        lengths = list(map(len, token_lists))
-    elif kinds == _BYTES_ONLY:
-        byte_lens = list(map(len, token_lists))
-        lengths = [nbytes >> 2 for nbytes in byte_lens]
-        if 4 * sum(lengths) != sum(byte_lens):  # some entry is not a whole number of ids
-            return None
-        joined = b"".join(token_lists)
-        flat = np.frombuffer(joined, dtype="<u4").astype(np.uint32, copy=False) if joined else _EMPTY_TOKENS
-    else:
-        return None
-    flat.setflags(write=False)
-    return TokenColumn(flat, lengths, [])
+    """The batch's tokens as one column (``tokens.pack_token_lists``), or None for the
+    entry-by-entry path."""
+    packed = pack_token_lists(token_lists)
+    return None if packed is None else TokenColumn(packed[0], packed[1], [])
 
 
 def _b64_token_column(raw: list) -> Optional[TokenColumn]:
     """Fast path of a batch whose entries all carry their tokens as ``tokens_b64`` (and no
-    ``token_ids``, or only empty ones): every string is decoded with one C-level ``map``
-    and the bytes take the packed-bytes path of :func:`_token_column`. None (the
+    ``token_ids``, or only empty ones): every string is decoded in one call of the one
+    decoder (``tokens.decode_b64_many``) and the arrays take the packed path. None (the
     entry-by-entry path names the problem) for anything else: an entry without
-    ``tokens_b64``, a non-string, invalid base64 (raises, caught by the caller), a decoded
-    length that is not a multiple of 4, non-empty ``token_ids`` beside it."""
+    ``tokens_b64``, a non-string, invalid base64, non-empty ``token_ids`` beside it."""
     strings = list(map(_TOKENS_B64, raw))  # KeyError when some entry lacks it: forms mixed
     if set(map(type, strings)) != _STR_ONLY:
         return None
@@ -528,7 +440,10 @@ def _b64_token_column(raw: list) -> Optional[TokenColumn]:
         ids = _column(raw, "token_ids", _NO_TOKENS)
         if set(map(type, ids)) != _LIST_ONLY or any(ids):  # both forms given, or a bad token_ids
             return None
-    return _token_column(list(map(_b64decode_strict, strings)))
+    decoded = decode_b64_many(strings)
+    if set(map(type, decoded)) != _ARRAY_ONLY:  # some string is bad: the slow path names it
+        return None
+    return _token_column(decoded)
 
 
 def _parse_entries_slow(raw: list) -> EntryColumns:
@@ -556,7 +471,10 @@ def _parse_entries_slow(raw: list) -> EntryColumns:
                 except (OverflowError, TypeError):
                     _check_token_types(tokens, ("token_ids",))  # raises for non-integers
             else:
-                packed = _packed_tokens(tokens)
+                try:
+                    packed = packed_token_ids(tokens)
+                except TokenDecodeError as exc:
+                    raise _Bad(("token_ids",), exc.reason) from None
                 if packed is not None:
                     buf.frombytes(np.ascontiguousarray(packed).view(np.uint8))
                     lengths.append(len(packed))
@@ -577,27 +495,6 @@ def _check_token_types(tokens: list[Any], loc: tuple) -> None:
             raise _Bad(loc + (k,), f"token ids must be integers, got {_type_name(value)} {value!r}")
 
 
-def _packed_tokens(value: Any) -> Optional[np.ndarray]:
-    """One entry's ``token_ids`` given packed (a 1-D numpy integer array, or bytes of
-    little-endian uint32) as uint32, or None when an id lies outside uint32 (valid, but
-    it fills no binding, as for lists). Raises ``_Bad`` for anything else."""
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1:
-            raise _Bad(("token_ids",), f"must be a 1-D array of token ids, got shape {value.shape}")
-        if value.dtype.kind not in "iu":
-            raise _Bad(("token_ids",), f"token ids must be integers, got an array of {value.dtype}")
-        if value.dtype == _UINT32:
-            return value
-        if value.size and (int(value.min()) < 0 or int(value.max()) > _UINT32_MAX):
-            return None
-        return value.astype(np.uint32)
-    try:
-        return np.frombuffer(value, dtype="<u4").astype(np.uint32, copy=False)
-    except (TypeError, ValueError):
-        raise _Bad(("token_ids",), "packed token ids must be contiguous bytes of little-endian uint32 "
-                                   f"(a multiple of 4 bytes), got {_type_name(value)}") from None
-
-
 def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, Any]:
     """One entry, fully validated -> ``(chunk_hash, scope, size_bytes, token_offset,
     token_ids)`` (``token_ids`` as given: a list, or packed, see :func:`_packed_tokens`;
@@ -611,20 +508,20 @@ def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, Any]:
         chunk_hash = _parse_hash(key.get("chunk_hash_hex"))
         model = _INTERN.model(key.get("model_name"))
         kv_rank = key.get("kv_rank")
-        if type(kv_rank) is not int or not 0 <= kv_rank <= _KV_RANK_MAX:
-            raise _Bad(("kv_rank",), _int_reason(kv_rank, 0, _KV_RANK_MAX))
+        if type(kv_rank) is not int or not 0 <= kv_rank <= KV_RANK_MAX:
+            raise _Bad(("kv_rank",), _int_reason(kv_rank, 0, KV_RANK_MAX))
         group = key.get("object_group_id", 0)
-        if type(group) is not int or not 0 <= group <= _INT64_MAX:
-            raise _Bad(("object_group_id",), _int_reason(group, 0, _INT64_MAX))
+        if type(group) is not int or not 0 <= group <= INT64_MAX:
+            raise _Bad(("object_group_id",), _int_reason(group, 0, INT64_MAX))
         salt = _INTERN.salt(key.get("cache_salt", ""))
     except _Bad as bad:
         raise _Bad(("key",) + bad.loc, bad.reason) from None
     size = entry.get("size_bytes")
-    if type(size) is not int or not 0 <= size <= _INT64_MAX:
-        raise _Bad(("size_bytes",), _int_reason(size, 0, _INT64_MAX))
+    if type(size) is not int or not 0 <= size <= INT64_MAX:
+        raise _Bad(("size_bytes",), _int_reason(size, 0, INT64_MAX))
     offset = entry.get("token_offset", UNKNOWN_TOKEN_OFFSET)
-    if type(offset) is not int or not UNKNOWN_TOKEN_OFFSET <= offset <= _INT64_MAX:
-        raise _Bad(("token_offset",), _int_reason(offset, UNKNOWN_TOKEN_OFFSET, _INT64_MAX))
+    if type(offset) is not int or not UNKNOWN_TOKEN_OFFSET <= offset <= INT64_MAX:
+        raise _Bad(("token_offset",), _int_reason(offset, UNKNOWN_TOKEN_OFFSET, INT64_MAX))
     tokens = entry.get("token_ids", _NO_TOKENS)
     if type(tokens) is not list and not isinstance(tokens, _PACKED_TOKENS):
         raise _Bad(("token_ids",), f"must be a list of integers, got {_type_name(tokens)}")
@@ -633,24 +530,18 @@ def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, Any]:
         if type(b64) is str and b64 and len(tokens):
             raise _Bad(("tokens_b64",), "give token_ids or tokens_b64, not both")
         decoded = _decode_tokens_b64(b64)
-        if decoded:
+        if decoded.size:
             tokens = decoded
     return chunk_hash, _INTERN.scope(model, kv_rank, group, salt), size, offset, tokens
 
 
-def _decode_tokens_b64(value: Any) -> bytes:
-    """Slow path: one entry's ``tokens_b64`` -> bytes of little-endian uint32 (a multiple
-    of 4 bytes); raises ``_Bad`` naming ``tokens_b64`` with the reason."""
-    if type(value) is not str:
-        raise _Bad(("tokens_b64",), f"must be a base64 string, got {_type_name(value)}")
+def _decode_tokens_b64(value: Any) -> np.ndarray:
+    """Slow path: one entry's ``tokens_b64`` -> uint32 ids; raises ``_Bad`` naming
+    ``tokens_b64`` with the reason (the one decoder: ``tokens.decode_b64``)."""
     try:
-        decoded = _b64decode_strict(value)
-    except ValueError as exc:  # binascii.Error is a ValueError, so is a non-ASCII string
-        raise _Bad(("tokens_b64",), f"not valid standard base64: {exc}") from None
-    if len(decoded) & 3:
-        raise _Bad(("tokens_b64",), f"decoded byte length {len(decoded)} is not a multiple of 4 "
-                                    "(little-endian uint32 token ids)")
-    return decoded
+        return decode_b64(value)
+    except TokenDecodeError as exc:
+        raise _Bad(("tokens_b64",), exc.reason) from None
 
 
 def _parse_hash(value: Any) -> bytes:
@@ -790,8 +681,8 @@ def _got(value: Any) -> str:
 
 def _required_int(raw: dict, name: str, lo: int) -> int:
     value = raw.get(name)
-    if type(value) is not int or not lo <= value <= _INT64_MAX:
-        raise _Bad((name,), _int_reason(value, lo, _INT64_MAX))
+    if type(value) is not int or not lo <= value <= INT64_MAX:
+        raise _Bad((name,), _int_reason(value, lo, INT64_MAX))
     return value
 
 
@@ -801,209 +692,8 @@ def _optional_int(raw: dict, name: str, event_type: str) -> Optional[int]:
         return None
     if event_type != "config":
         raise _Bad((name,), f"is only allowed on config batches (event_type is {event_type!r})")
-    if type(value) is not int or not 0 <= value <= _INT64_MAX:
-        raise _Bad((name,), _int_reason(value, 0, _INT64_MAX))
+    if type(value) is not int or not 0 <= value <= INT64_MAX:
+        raise _Bad((name,), _int_reason(value, 0, INT64_MAX))
     return value
 
 
-# --------------------------------------------------------------------------- wire builders
-
-
-def wire_entry(chunk_hash: bytes | str, model_name: str, kv_rank: int = 1 << 24, *,
-               object_group_id: int = 0, cache_salt: str = "", size_bytes: int = 0,
-               token_ids: Optional[Iterable[int]] = None,
-               token_offset: int = UNKNOWN_TOKEN_OFFSET) -> dict[str, Any]:
-    """One entry in wire (JSON) form, for producers, tests and benchmarks.
-
-    ``chunk_hash`` may be bytes (hex-encoded here) or a hex string; ``kv_rank`` defaults to
-    world size 1, rank 0.
-    """
-    hex_hash = chunk_hash.hex() if isinstance(chunk_hash, (bytes, bytearray)) else chunk_hash
-    entry: dict[str, Any] = {
-        "key": {"chunk_hash_hex": hex_hash, "model_name": model_name, "kv_rank": kv_rank,
-                "object_group_id": object_group_id, "cache_salt": cache_salt},
-        "size_bytes": size_bytes,
-        "token_offset": token_offset,
-    }
-    if token_ids is not None:
-        entry["token_ids"] = [int(t) for t in token_ids] if not isinstance(token_ids, list) else token_ids
-    return entry
-
-
-def wire_batch(instance_id: str, seq: int, event_type: str = "store", entries: Sequence[dict] = (), *,
-               incarnation: int = 0, tier: str = "l1", backend: str = "LocalCPUBackend",
-               shared: bool = False, ts: float = 0.0, **extra: Any) -> dict[str, Any]:
-    """One batch in wire (JSON) form; ``extra`` adds fields (``capacity_bytes`` ...)."""
-    batch: dict[str, Any] = {
-        "instance_id": instance_id, "incarnation": incarnation, "seq": seq,
-        "event_type": event_type, "tier": tier, "backend": backend, "shared": shared,
-        "ts": ts, "entries": list(entries),
-    }
-    batch.update(extra)
-    return batch
-
-
-# --------------------------------------------------------------------------- the gate
-
-
-class Admission(enum.Enum):
-    """What the gate decided about one batch."""
-
-    APPLY = "apply"
-    #: The instance restarted (higher incarnation): fence its L1 placements, then apply.
-    FENCE_AND_APPLY = "fence_and_apply"
-    DUPLICATE = "duplicate"
-    STALE = "stale"
-
-
-class InstanceCursor(NamedTuple):
-    """Where the gate stands for one instance."""
-
-    incarnation: int
-    last_seq: int
-
-
-class IngestGate:
-    """Per-instance ordering of event batches (see the module docstring for the rules).
-
-    Counters (cumulative): ``applied``, ``duplicates``, ``stale`` (batches), ``gaps`` (batches
-    that arrived after a gap), ``missed`` (sequence numbers skipped by those gaps) and
-    ``fences`` (restarts seen). Call with the owner's lock held.
-    """
-
-    def __init__(self) -> None:
-        self._cursors: dict[str, InstanceCursor] = {}
-        self.applied = 0
-        self.duplicates = 0
-        self.stale = 0
-        self.gaps = 0
-        self.missed = 0
-        self.fences = 0
-
-    def admit(self, instance_id: str, incarnation: int, seq: int) -> Admission:
-        """Classify one batch and, when it is to be applied, advance the instance's cursor."""
-        cur = self._cursors.get(instance_id)
-        verdict = Admission.APPLY
-        last_seq = 0
-        if cur is not None:
-            if incarnation < cur.incarnation:
-                self.stale += 1
-                return Admission.STALE
-            if incarnation > cur.incarnation:
-                verdict = Admission.FENCE_AND_APPLY
-                self.fences += 1
-            elif seq <= cur.last_seq:
-                self.duplicates += 1
-                return Admission.DUPLICATE
-            else:
-                last_seq = cur.last_seq
-        if seq > last_seq + 1:
-            self.gaps += 1
-            self.missed += seq - last_seq - 1
-            log.warning("cache events from %s (incarnation %d): gap before seq %d (last applied %d)",
-                        instance_id, incarnation, seq, last_seq)
-        self._cursors[instance_id] = InstanceCursor(incarnation, seq)
-        self.applied += 1
-        return verdict
-
-    def cursor(self, instance_id: str) -> Optional[InstanceCursor]:
-        """The instance's ``(incarnation, last_seq)``, or None if never seen."""
-        return self._cursors.get(instance_id)
-
-    def cursors(self) -> dict[str, InstanceCursor]:
-        """A snapshot of every instance's cursor."""
-        return dict(self._cursors)
-
-    def counters(self) -> dict[str, int]:
-        return {"applied": self.applied, "duplicates": self.duplicates, "stale": self.stale,
-                "gaps": self.gaps, "missed": self.missed, "fences": self.fences}
-
-
-# --------------------------------------------------------------------------- schema models
-# The same wire shape as pydantic v2 models: for the OpenAPI schema and as an executable
-# specification (tests check the fast validator above agrees with them). Not used on the
-# ingest path: validating 256 token ids per entry here costs more than the whole ingest.
-
-
-class ObjectKeyModel(BaseModel):
-    """``key`` of an entry."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    chunk_hash_hex: str = Field(min_length=2, max_length=2 * MAX_CHUNK_HASH_BYTES,
-                                pattern=r"^(?:[0-9a-fA-F]{2})+$")
-    model_name: str = Field(min_length=1, pattern=r"^[^@]+$")
-    kv_rank: int = Field(ge=0, le=_KV_RANK_MAX)
-    object_group_id: int = Field(default=0, ge=0, le=_INT64_MAX)
-    cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS, pattern=r"^[^@/\\\x00]*$")
-
-
-class EventEntryModel(BaseModel):
-    """One entry; ids outside uint32 in ``token_ids`` are accepted (they fill no binding)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    key: ObjectKeyModel
-    size_bytes: int = Field(ge=0, le=_INT64_MAX)
-    token_ids: list[int] = Field(default_factory=list)
-    tokens_b64: Optional[str] = Field(
-        default=None,
-        description="blendmatch extension (not LMCache's): the entry's token ids as standard base64 "
-                    "(alphabet A-Z a-z 0-9 + /, '=' padding; decoded strictly, as Python's "
-                    "base64.b64decode(s, validate=True)) of little-endian uint32, instead of token_ids; "
-                    "the decoded length must be a multiple of 4 bytes. \"\" or null: no tokens. An entry "
-                    "may not give both token_ids and tokens_b64 non-empty. Much cheaper to decode "
-                    "from JSON than the same ids as a list.")
-    token_offset: int = Field(default=UNKNOWN_TOKEN_OFFSET, ge=UNKNOWN_TOKEN_OFFSET, le=_INT64_MAX)
-
-    @field_validator("tokens_b64")
-    @classmethod
-    def _strict_base64(cls, value: Optional[str]) -> Optional[str]:
-        if value:
-            try:
-                _decode_tokens_b64(value)
-            except _Bad as bad:
-                raise ValueError(bad.reason) from None
-        return value
-
-    @model_validator(mode="after")
-    def _one_token_form(self) -> "EventEntryModel":
-        if self.tokens_b64 and self.token_ids:
-            raise ValueError("give token_ids or tokens_b64, not both")
-        return self
-
-
-class EventBatchModel(BaseModel):
-    """One batch from one instance."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    instance_id: str = Field(min_length=1)
-    incarnation: int = Field(ge=0, le=_INT64_MAX)
-    seq: int = Field(ge=1, le=_INT64_MAX)
-    event_type: EventType
-    tier: Tier
-    backend: str = ""
-    shared: bool = False
-    ts: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    capacity_bytes: Optional[int] = Field(default=None, ge=0, le=_INT64_MAX)
-    capacity_revision: Optional[int] = Field(default=None, ge=0, le=_INT64_MAX)
-    entries: list[EventEntryModel] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> "EventBatchModel":
-        if not self.backend and self.event_type != "access":
-            raise ValueError(f"backend must not be empty for {self.event_type} events")
-        if self.event_type != "config" and (self.capacity_bytes is not None or self.capacity_revision is not None):
-            raise ValueError("capacity_bytes/capacity_revision are only allowed on config batches")
-        if self.event_type == "config" and self.entries:
-            raise ValueError("config batches carry no entries")
-        return self
-
-
-class EventRequestModel(BaseModel):
-    """``POST /events`` body."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    batches: list[EventBatchModel]

@@ -1,0 +1,5 @@
+"""Benchmarks and load tests, beside the rooms: ``engine`` (``blendmatch bench``), ``events``
+(event ingest through the directory), ``loadtest`` (``blendmatch loadtest``) and
+``gpu_micro`` (the GPU engine on the device). Nothing imports this package except the CLI's
+bench subcommands, lazily; it imports only public names of the rooms.
+"""

@@ -1,0 +1,377 @@
+"""Every token rule, in one place: what a token id is, how each wire form decodes, the limit.
+
+Question answered: "do these values become uint32 token ids, and if not, what exactly is
+wrong?" Events (``wire.py``), lookups (the service) and the index (``blend_index.py``) all
+call this module; nothing else decodes tokens.
+
+- **A token id** is an integer in ``0..2^32-1`` (:data:`MAX_TOKEN_ID`), stored as uint32.
+  ``true``/``false``, floats, strings, negative ids and ids >= 2^32 are not token ids.
+- **In-process arrays** (:func:`as_tokens`): integer numpy arrays and lists convert
+  losslessly or raise; a uint32 array is returned as is (no copy).
+- **``token_ids``** (:func:`decode_token_ids`): a JSON list of integers (or a 1-D integer
+  array from an in-process caller) -> a read-only uint32 array.
+- **``tokens_b64``** (:func:`decode_b64_many`, :func:`decode_b64`): standard base64
+  (RFC 4648 section 4 alphabet ``A-Z a-z 0-9 + /``, padded with ``=`` to a multiple of 4
+  characters) of the ids as little-endian uint32. Decoded strictly: a character outside the
+  alphabet (whitespace and the URL-safe ``-_`` included), a length that is not a multiple
+  of 4, ``=`` anywhere but the last one or two positions, or a decoded byte length that is
+  not a multiple of 4 is an error, never silently skipped. Unused low bits of the last
+  quantum are ignored, as RFC 4648 permits. 5.3 bytes per token. The decoder is a numba
+  kernel (``nogil``, in ``_b64.py``, loaded on first use) that decodes many strings in one
+  call; the service runs it on the lookup thread, the event parser once per batch.
+- **The limit**: :data:`DEFAULT_MAX_REQUEST_TOKENS` tokens per request unless configured;
+  :func:`check_token_count` raises :class:`TokenLimitExceeded` (the service's 413).
+
+Errors: :class:`TokenDecodeError` (a ``ValueError``) with ``field`` (``tokens_b64``,
+``token_ids``, ...) and ``reason``; its message starts with the field name, so a 422 says
+which field is wrong. Returned arrays are read-only; callers must not mutate them.
+Imports: numpy only at module level, so the client can encode without loading numba.
+"""
+
+from __future__ import annotations
+
+import base64
+from array import array
+from operator import attrgetter
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_MAX_REQUEST_TOKENS",
+    "MAX_TOKEN_ID",
+    "TokenDecodeError",
+    "TokenLimitExceeded",
+    "as_token_rows",
+    "as_tokens",
+    "b64_token_count",
+    "check_token_count",
+    "decode_b64",
+    "decode_b64_many",
+    "decode_token_ids",
+    "decode_tokens",
+    "encode_tokens",
+    "pack_token_lists",
+    "packed_token_ids",
+]
+
+#: Largest valid token id (ids are uint32 on the wire and in the index).
+MAX_TOKEN_ID = 0xFFFFFFFF
+#: Tokens one request may carry unless the service is configured otherwise (LMCache's
+#: coordinator caps ``/directory/lookup`` at the same 1,000,000).
+DEFAULT_MAX_REQUEST_TOKENS = 1_000_000
+
+
+class TokenDecodeError(ValueError):
+    """Values do not become uint32 token ids; ``field`` names where, ``reason`` says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field = field
+        self.reason = reason
+
+
+class TokenLimitExceeded(TokenDecodeError):
+    """A request carries more tokens than its limit allows (the service answers 413)."""
+
+
+def check_token_count(n: int, limit: int = DEFAULT_MAX_REQUEST_TOKENS, field: str = "tokens") -> None:
+    """Raise :class:`TokenLimitExceeded` when ``n`` tokens are over ``limit``."""
+    if n > limit:
+        raise TokenLimitExceeded(field, f"request carries {n} tokens, over the limit of {limit} tokens per request")
+
+
+def _range_reason(value: int, pos: int | None = None) -> str:
+    where = f"item {pos}: " if pos is not None else ""
+    return f"{where}ids must lie in 0..{MAX_TOKEN_ID} (>= 0 and < 2^32), got {value}"
+
+
+def as_tokens(tokens: Any, *, name: str = "tokens") -> np.ndarray:
+    """Return ``tokens`` as a 1-D C-contiguous uint32 array, or raise :class:`TokenDecodeError`.
+
+    Lossless conversions only: integer arrays/lists whose values all lie in 0..2^32-1 are
+    converted; floats, bools, negative values or values >= 2^32 are rejected with a message
+    that names the problem. A uint32 array is returned as is (no copy).
+    """
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        try:
+            arr = np.asarray(tokens)
+        except (OverflowError, ValueError) as exc:  # ragged or huge Python ints
+            raise TokenDecodeError(name, f"not a 1-D sequence of token ids ({exc})") from None
+        if arr.size == 0:
+            arr = arr.astype(np.uint32)
+    if arr.ndim != 1:
+        raise TokenDecodeError(name, f"must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.uint32:
+        return np.ascontiguousarray(arr)
+    if arr.dtype == object:
+        # Python ints too large for int64 land here.
+        try:
+            if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr):
+                raise TokenDecodeError(name, "must hold integers, got non-integer values")
+            lo, hi = min(arr, default=0), max(arr, default=0)
+        except TypeError:
+            raise TokenDecodeError(name, "must hold integers") from None
+        _check_range(int(lo), int(hi), name)
+        return np.asarray([int(v) for v in arr], dtype=np.uint32)
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise TokenDecodeError(name, f"must be an integer array of token ids, got dtype {arr.dtype}")
+    if arr.size:
+        _check_range(int(arr.min()), int(arr.max()), name)
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+def as_token_rows(tokens2d: Any, *, name: str = "tokens") -> np.ndarray:
+    """A 2-D ``(n, chunk_size)`` stack of token ids as a C-contiguous uint32 array (the bulk
+    form of :func:`as_tokens`; same rules, same error)."""
+    arr = np.asarray(tokens2d)
+    if arr.ndim != 2:
+        raise TokenDecodeError(name, f"must be a 2-D (n, chunk_size) array, got shape {arr.shape}")
+    if arr.dtype == np.uint32:
+        return np.ascontiguousarray(arr)
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise TokenDecodeError(name, f"must be integer token ids, got dtype {arr.dtype}")
+    if arr.size:
+        _check_range(int(arr.min()), int(arr.max()), name)
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+def _check_range(lo: int, hi: int, name: str) -> None:
+    if lo < 0:
+        raise TokenDecodeError(name, _range_reason(lo))
+    if hi > MAX_TOKEN_ID:
+        raise TokenDecodeError(name, _range_reason(hi))
+
+
+def decode_tokens(tokens_b64: str | None = None, token_ids: Sequence[int] | None = None) -> np.ndarray:
+    """Decode exactly one of ``tokens_b64`` / ``token_ids`` to a read-only 1-D uint32 array.
+
+    Raises :class:`TokenDecodeError` naming the field: both or neither form given, invalid
+    base64, a byte length not a multiple of 4, non-integer / negative / >= 2^32 ids.
+    An empty query (``""`` or ``[]``) is valid and decodes to an empty array.
+    """
+    if (tokens_b64 is None) == (token_ids is None):
+        which = "both were given" if tokens_b64 is not None else "neither was given"
+        raise TokenDecodeError("tokens_b64/token_ids", f"give exactly one of the two token forms; {which}")
+    if tokens_b64 is not None:
+        return decode_b64(tokens_b64)
+    return decode_token_ids(token_ids)
+
+
+def encode_tokens(tokens: Any) -> str:
+    """The ``tokens_b64`` form of ``tokens`` (any array-like of ids in 0..2^32-1)."""
+    arr = np.asarray(tokens)
+    if arr.dtype != np.uint32:
+        arr = decode_token_ids(arr)
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<u4").tobytes()).decode("ascii")
+
+
+def b64_token_count(value: str) -> int:
+    """Tokens a well-formed ``tokens_b64`` string carries, from its length alone (exact for
+    valid input; a malformed string fails when it is decoded)."""
+    n = len(value)
+    pad = 2 if value.endswith("==") else 1 if value.endswith("=") else 0
+    return max(0, (n // 4 * 3 - pad) // 4)
+
+
+def decode_b64_many(values: Sequence[str], field: str = "tokens_b64") -> list[np.ndarray | TokenDecodeError]:
+    """Decode several ``tokens_b64`` strings in one ``nogil`` kernel call.
+
+    Each item is a read-only uint32 array or the :class:`TokenDecodeError` for that string
+    (returned, not raised, so one bad query does not fail its neighbours). Run it where
+    holding no GIL matters: the lookup thread decodes a whole batch this way.
+    """
+    from . import _b64 as _kernels  # numba: loaded on the first decode, never by encoders
+
+    encoded: list[bytes] = []
+    errors: dict[int, TokenDecodeError] = {}
+    for k, value in enumerate(values):
+        if not isinstance(value, str):
+            errors[k] = TokenDecodeError(field, f"must be a base64 string, got {type(value).__name__}")
+            encoded.append(b"")
+            continue
+        try:
+            encoded.append(value.encode("ascii"))
+        except UnicodeEncodeError as exc:
+            errors[k] = TokenDecodeError(field, f"not valid standard base64: non-ASCII character at "
+                                                       f"position {exc.start}")
+            encoded.append(b"")
+    starts = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=starts[1:])
+    src = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+    out, out_starts, bad = _kernels.b64decode_many(src, starts, _kernels.B64_TABLE)
+    results: list[np.ndarray | TokenDecodeError] = []
+    for k, value in enumerate(values):
+        if k in errors:
+            results.append(errors[k])
+            continue
+        if bad[k] >= 0:
+            results.append(_b64_error(value, int(bad[k]), field))
+            continue
+        lo, hi = int(out_starts[k]), int(out_starts[k + 1])
+        if (hi - lo) % 4:
+            results.append(TokenDecodeError(
+                field, f"decoded byte length {hi - lo} is not a multiple of 4 (little-endian uint32 ids)"))
+            continue
+        arr = out[lo:hi].view("<u4")
+        if arr.dtype != np.uint32:  # big-endian host: make it native
+            arr = arr.astype(np.uint32)
+        arr.setflags(write=False)
+        results.append(arr)
+    return results
+
+
+def _b64_error(value: str, pos: int, field: str) -> TokenDecodeError:
+    n = len(value)
+    if pos == n:
+        return TokenDecodeError(field, f"not valid standard base64: length {n} is not a multiple of 4")
+    ch = value[pos]
+    if ch == "=":
+        return TokenDecodeError(field, f"not valid standard base64: padding '=' at character {pos} "
+                                              "(only the last 1 or 2 characters may be '=')")
+    return TokenDecodeError(field, f"not valid standard base64: character {ch!r} at position {pos} "
+                                          "is not in the alphabet A-Z a-z 0-9 + /")
+
+
+def decode_b64(value: Any, field: str = "tokens_b64") -> np.ndarray:
+    """One ``tokens_b64`` string -> a read-only uint32 array; raises :class:`TokenDecodeError`."""
+    got = decode_b64_many([value], field)[0]
+    if isinstance(got, TokenDecodeError):
+        raise got
+    return got
+
+
+def decode_token_ids(value: Any, field: str = "token_ids") -> np.ndarray:
+    """``token_ids`` (a list of ints, or a 1-D integer array) -> a read-only uint32 view;
+    raises :class:`TokenDecodeError` naming ``field``. The caller's array is never mutated."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise TokenDecodeError(field, f"must be a 1-D integer array, got {value.dtype} {value.shape}")
+        arr = value
+    else:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise TokenDecodeError(field, f"must be a list of integers, got {type(value).__name__}")
+        kinds = set(map(type, value))
+        if not kinds <= {int}:
+            bad = next(v for v in value if type(v) is not int)
+            pos = next(i for i, v in enumerate(value) if v is bad)
+            raise TokenDecodeError(
+                "token_ids", f"item {pos} must be an integer token id, got {type(bad).__name__} {bad!r}")
+        try:
+            arr = np.array(value, dtype=np.int64)
+        except OverflowError:
+            raise TokenDecodeError(field, f"ids must lie in 0..{MAX_TOKEN_ID} (>= 0 and < 2^32), got a value >= 2^63") from None
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0:
+            pos = int(np.argmin(arr))
+            raise TokenDecodeError(field, _range_reason(lo, pos))
+        if hi > MAX_TOKEN_ID:
+            pos = int(np.argmax(arr))
+            raise TokenDecodeError(field, _range_reason(hi, pos))
+    out = np.ascontiguousarray(arr, dtype=np.uint32).view()  # a view: never flip the caller's flags
+    out.setflags(write=False)
+    return out
+
+
+# --------------------------------------------------------------------------- event columns
+# The event parser (``wire.py``) converts a whole batch's tokens in one go; these are the
+# same rules as above in bulk form. Ids outside uint32 are valid on the event wire (the
+# entry is applied, its binding stays unfilled): these functions return None for them.
+
+_EMPTY_TOKENS = np.zeros(0, dtype=np.uint32)
+_EMPTY_TOKENS.setflags(write=False)
+_UINT32 = np.dtype(np.uint32)
+_LIST_ONLY = {list}
+_ARRAY_ONLY = {np.ndarray}
+_BYTES_ONLY = {bytes}
+_ONE_DIM = {1}
+_NDIM = attrgetter("ndim")
+_DTYPE = attrgetter("dtype")
+
+if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform has 4-byte int
+    raise ImportError("blendmatch needs a 4-byte C unsigned int for token parsing")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def pack_token_lists(token_lists: list[Any]) -> Optional[tuple[np.ndarray, list[int]]]:
+    """Every entry's ``token_ids`` in one read-only uint32 buffer ``(flat, lengths)``, or None
+    when the batch needs the entry-by-entry path (kinds mixed, a bad value, ids outside uint32).
+
+    Three batch-wide forms. Lists of ints (decoded JSON) go through
+    ``array('I').fromlist``: a C loop that range-checks and leaves the buffer unchanged
+    when it fails, bound by reading the Python ints. Packed forms cost no per-token work:
+    numpy integer arrays are copied into one buffer (``bytes.join`` for 1-D uint32 arrays,
+    a plain byte copy that is cheaper per array than ``np.concatenate``), ``bytes`` of
+    little-endian uint32 (a binary transport) are joined. The buffer is always a copy, so a
+    producer may reuse its arrays once the call returns.
+    """
+    kinds = set(map(type, token_lists))
+    if kinds == _LIST_ONLY:
+        buf = array("I")
+        fromlist = buf.fromlist
+        try:
+            for ids in token_lists:
+                fromlist(ids)
+        except (OverflowError, TypeError):
+            return None
+        flat = np.frombuffer(buf, dtype=np.uint32) if len(buf) else _EMPTY_TOKENS
+        lengths = list(map(len, token_lists))
+    elif kinds == _ARRAY_ONLY:
+        if set(map(_NDIM, token_lists)) != _ONE_DIM:
+            return None
+        dtypes = set(map(_DTYPE, token_lists))
+        dtype = dtypes.pop()
+        if dtypes or dtype.kind not in "iu":  # mixed dtypes (numpy would promote) or not integers
+            return None
+        flat = None
+        if dtype == _UINT32:
+            try:
+                joined = b"".join(token_lists)
+                flat = np.frombuffer(joined, dtype=np.uint32) if joined else _EMPTY_TOKENS
+            except TypeError:  # a strided array exports no plain buffer
+                pass
+        if flat is None:
+            flat = np.concatenate(token_lists)
+            if dtype != _UINT32:
+                if flat.size and (int(flat.min()) < 0 or int(flat.max()) > MAX_TOKEN_ID):
+                    return None
+                flat = flat.astype(np.uint32)
+        lengths = list(map(len, token_lists))
+    elif kinds == _BYTES_ONLY:
+        byte_lens = list(map(len, token_lists))
+        lengths = [nbytes >> 2 for nbytes in byte_lens]
+        if 4 * sum(lengths) != sum(byte_lens):  # some entry is not a whole number of ids
+            return None
+        joined = b"".join(token_lists)
+        flat = np.frombuffer(joined, dtype="<u4").astype(np.uint32, copy=False) if joined else _EMPTY_TOKENS
+    else:
+        return None
+    flat.setflags(write=False)
+    return flat, lengths
+
+
+def packed_token_ids(value: Any, field: str = "token_ids") -> Optional[np.ndarray]:
+    """One entry's ``token_ids`` given packed (a 1-D numpy integer array, or bytes of
+    little-endian uint32) as uint32, or None when an id lies outside uint32 (valid, but
+    it fills no binding, as for lists). Raises :class:`TokenDecodeError` for anything else."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise TokenDecodeError(field, f"must be a 1-D array of token ids, got shape {value.shape}")
+        if value.dtype.kind not in "iu":
+            raise TokenDecodeError(field, f"token ids must be integers, got an array of {value.dtype}")
+        if value.dtype == _UINT32:
+            return value
+        if value.size and (int(value.min()) < 0 or int(value.max()) > MAX_TOKEN_ID):
+            return None
+        return value.astype(np.uint32)
+    try:
+        return np.frombuffer(value, dtype="<u4").astype(np.uint32, copy=False)
+    except (TypeError, ValueError):
+        raise TokenDecodeError(field, "packed token ids must be contiguous bytes of little-endian uint32 "
+                                   f"(a multiple of 4 bytes), got {_type_name(value)}") from None
