@@ -40,15 +40,16 @@ Holding an index row is safe because the binding holds it only while its chunk h
 occupant of that content (it has at least one claim); the index reuses a row only after
 its content's last occupant left.
 
-Speed (issue 3 asks >= 200k STORE entries/s with 256 tokens): ``events.py`` converts tokens
-in bulk (lists of ints, or packed arrays with no per-token work). A batch of distinct chunk
-hashes none of which is bound (the steady state) is applied column-wise
-(:meth:`KeyDirectory._store_all_new`): its whole token block goes to one
-``BlendIndex.add_many`` without a copy, and each binding is built once, with the index's
-row. Any other batch goes entry by entry, with index writes deferred and flushed as one
-``add_many``. Deferral keeps the exact per-entry order: pending adds are flushed before any
-removal, and writes to different chunk hashes commute. Measured figures: ``docs`` and
-``python -m blendmatch.service.bench_events``.
+Speed (issue 3 asks >= 200k STORE entries/s with 256 tokens): ``wire.py`` converts tokens
+in bulk (``tokens.pack_token_lists``: lists of ints, or packed arrays with no per-token
+work). There is one store path (:meth:`KeyDirectory._store_locked`): entries whose chunk
+hash is bound apply one by one (:meth:`_store_entries`), with index writes deferred and
+flushed as one ``add_many`` (deferral keeps the exact per-entry order: pending adds are
+flushed before any removal, and writes to different chunk hashes commute); entries of new,
+distinct chunk hashes (the steady state) take its vector form (:meth:`_bind_new`): their
+token block goes to one ``BlendIndex.add_many`` without a copy, and each binding is built
+once, with the index's row. Measured figures: ``docs/performance.md`` and
+``python -m blendmatch.bench.events``.
 
 GC note: every binding is a GC-tracked object, so a full collection walks them all
 (~millions in a fleet; about 1 us per stored entry, amortised, at 100k entries on the dev
@@ -65,6 +66,7 @@ from __future__ import annotations
 import logging
 import threading
 from itertools import repeat
+from operator import itemgetter
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -212,13 +214,10 @@ class KeyDirectory:
         return self._index
 
     def blend_match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:
-        """Blend matches of one query (see :meth:`BlendIndex.match`). Raises
-        :class:`BlendLookupDisabled` before :meth:`enable_blend_lookup`."""
+        """Blend matches of one query (see :meth:`BlendIndex.match`): the directory's one
+        blend-lookup method. Many queries in one engine probe: ``blend_index.match_batch``.
+        Raises :class:`BlendLookupDisabled` before :meth:`enable_blend_lookup`."""
         return self._require_index().match(tokens, namespace)
-
-    def blend_match_batch(self, queries: Sequence[tuple[Any, BlendNamespace]]) -> list[list[BlendMatch]]:
-        """Blend matches of many queries in one engine probe (see :meth:`BlendIndex.match_batch`)."""
-        return self._require_index().match_batch(queries)
 
     def _require_index(self) -> BlendIndex:
         index = self._index
@@ -409,52 +408,58 @@ class KeyDirectory:
 
     # ------------------------------------------------------------------ store
     def _store_locked(self, batch: EventBatch) -> None:
-        """Apply a STORE batch; see the module docstring for the lifecycle.
+        """Apply a STORE batch; see the module docstring for the lifecycle. The one store path.
 
-        All-new batches go to :meth:`_store_all_new`. Otherwise entries apply in order;
-        when the batch's chunk hashes are distinct, a chunk hash not seen before is still
-        bound inline and its content attached after the loop in bulk (no other entry of the
-        batch can observe that binding in between). Every other case goes through
-        :meth:`_upsert` and :meth:`_store_content`.
+        Entries whose chunk hash is already bound (or repeats within the batch) apply one by
+        one, in order (:meth:`_store_entry`). When the batch's chunk hashes are distinct, the
+        entries whose chunk hash is not bound yet are then bound in one vector step
+        (:meth:`_bind_new`, the same rules as :meth:`_store_entry` for a one-key binding:
+        nothing else can observe those bindings in between, and writes to different chunk
+        hashes commute). The steady state of ingest, a batch of new chunks, is all vector.
         """
         entries = batch.entries
         n = len(entries)
         if not n:
             return
-        if entries.distinct_hashes and self._bindings.keys().isdisjoint(entries.chunk_hashes):
-            self._store_all_new(batch)
-            return
+        hashes = entries.chunk_hashes
+        bindings = self._bindings
+        if not entries.distinct_hashes:
+            one_by_one: Sequence[int] = range(n)
+            new_rows: Sequence[int] = ()
+        elif bindings.keys().isdisjoint(hashes):
+            one_by_one, new_rows = (), range(n)
+        else:
+            bound = list(map(bindings.__contains__, hashes))
+            one_by_one = [i for i, known in enumerate(bound) if known]
+            new_rows = [i for i, known in enumerate(bound) if not known]
+        if one_by_one:
+            self._store_entries(batch, one_by_one)
+        if new_rows:
+            self._bind_new(batch, new_rows)
+        self._entries_stored += n
+        self._warn_unfilled(batch)
+
+    def _store_entries(self, batch: EventBatch, rows: Sequence[int]) -> None:
+        """Apply entries ``rows`` of a STORE batch one by one, in order; index writes are
+        deferred and flushed as one ``add_many`` (pending adds are flushed before any
+        removal, so the per-entry order of index writes is kept)."""
+        entries = batch.entries
         column = entries.tokens
         lengths = column.lengths
         bindings = self._bindings
         l1_inst = batch.instance_id if batch.tier == L1 and not batch.shared else None
         l1_set = self._l1_chunks.setdefault(l1_inst, set()) if l1_inst is not None else None
         placements: dict[int, Placement] = {}
-        singles_get = self._singles.get
         pending = _Pending()
         fresh: list[tuple[_Binding, np.ndarray]] = []  # bindings holding a view of this batch's tokens
-        deferred_b: list[_Binding] = []  # new bindings whose content (row i) is attached after the loop
-        deferred_i: list[int] = []
-        bulk = entries.distinct_hashes
-        enabled = self._index is not None
-        new_bindings = new_l1_keys = 0
-        for i, (h, scope, size, offset) in enumerate(zip(entries.chunk_hashes, entries.scopes, entries.sizes,
-                                                         entries.offsets)):
+        new_l1_keys = 0
+        hashes, scopes, sizes, offsets = entries.chunk_hashes, entries.scopes, entries.sizes, entries.offsets
+        for i in rows:
+            h, scope, size = hashes[i], scopes[i], sizes[i]
             p = placements.get(size)
             if p is None:
                 p = placements[size] = self._placement_of(batch, size)
             b = bindings.get(h)
-            if b is None and bulk:  # a new chunk hash with one key; content comes after the loop
-                has_tokens = lengths[i] > 0
-                b = bindings[h] = _Binding(singles_get((id(scope), id(p))) or self._single(scope, p),
-                                           offset if has_tokens else -1, enabled and has_tokens)
-                new_bindings += 1
-                if l1_set is not None:
-                    l1_set.add(h)
-                if has_tokens:
-                    deferred_b.append(b)
-                    deferred_i.append(i)
-                continue
             if b is None:
                 b = bindings[h] = _Binding(())
             _, new_ns, gained_l1 = self._upsert(b, scope, p)
@@ -462,33 +467,32 @@ class KeyDirectory:
                 l1_set.add(h)  # type: ignore[union-attr]
                 new_l1_keys += 1
             if lengths[i]:
-                self._store_content(b, h, scope, column, i, offset, new_ns, pending, fresh)
+                self._store_content(b, h, scope, column, i, offsets[i], new_ns, pending, fresh)
             elif new_ns and b.indexed and b.tokens is not None:
                 self._claim(b, h, (scope.namespace,), pending, -1)
-        self._num_keys += new_bindings
-        self._num_placements += new_bindings
-        if l1_inst is not None and (new_bindings or new_l1_keys):
-            self._l1_keys[l1_inst] = self._l1_keys.get(l1_inst, 0) + new_bindings + new_l1_keys
+        if l1_inst is not None and new_l1_keys:
+            self._l1_keys[l1_inst] = self._l1_keys.get(l1_inst, 0) + new_l1_keys
         if pending:
             self._flush(pending, column)
         for b, view in fresh:
             if b.tokens is view:  # not indexed: keep a private copy, not a view of the batch
                 b.tokens = _own_copy(view)
-        if deferred_b:
-            for b, content in zip(deferred_b, self._new_contents(deferred_i, entries)):
-                b.tokens = content
-        self._entries_stored += n
-        self._warn_unfilled(batch)
 
-    def _store_all_new(self, batch: EventBatch) -> None:
-        """A STORE batch of distinct chunk hashes none of which is bound yet (the steady
-        state of ingest): each gets a one-key binding, built column-wise, with no
-        per-entry lookups; content is claimed in bulk first, so each binding is built once,
-        content included."""
+    def _bind_new(self, batch: EventBatch, rows: Sequence[int]) -> None:
+        """Entries ``rows`` of a STORE batch, whose chunk hashes are distinct and not bound:
+        each gets a one-key binding, built column-wise with no per-entry lookups. Content is
+        claimed in bulk first (``_new_contents``), so each binding is built once, content
+        included. The vector form of :meth:`_store_entries` for this case."""
         entries = batch.entries
-        n = len(entries)
-        hashes, scopes, sizes, offsets = entries.chunk_hashes, entries.scopes, entries.sizes, entries.offsets
-        lengths = entries.tokens.lengths
+        n = len(rows)
+        if n == len(entries):  # the whole batch: its columns as they are
+            hashes, scopes, sizes, offsets = entries.chunk_hashes, entries.scopes, entries.sizes, entries.offsets
+            lengths = entries.tokens.lengths
+        else:
+            pick = itemgetter(*rows) if n > 1 else (lambda col: (col[rows[0]],))
+            hashes, scopes, sizes, offsets = (list(pick(col)) for col in (
+                entries.chunk_hashes, entries.scopes, entries.sizes, entries.offsets))
+            lengths = list(pick(entries.tokens.lengths))
         enabled = self._index is not None
         if sizes.count(sizes[0]) == n and scopes.count(scopes[0]) == n:  # one members tuple for all
             members: Iterable[tuple[_Member, ...]] = repeat(
@@ -497,12 +501,12 @@ class KeyDirectory:
             placement = {size: self._placement_of(batch, size) for size in set(sizes)}
             members = [self._single(sc, placement[sz]) for sc, sz in zip(scopes, sizes)]
         if lengths.count(0) == 0:  # every entry carries content
-            bs = list(map(_Binding, members, offsets, repeat(enabled, n), self._new_contents(range(n), entries)))
+            bs = list(map(_Binding, members, offsets, repeat(enabled, n), self._new_contents(rows, entries)))
         else:
-            rows = [i for i, ln in enumerate(lengths) if ln]
+            with_tokens = [k for k, ln in enumerate(lengths) if ln]
             contents: list[Optional[np.ndarray]] = [None] * n
-            for i, content in zip(rows, self._new_contents(rows, entries)):
-                contents[i] = content
+            for k, content in zip(with_tokens, self._new_contents([rows[k] for k in with_tokens], entries)):
+                contents[k] = content
             bs = list(map(_Binding, members, [o if ln else -1 for o, ln in zip(offsets, lengths)],
                           [enabled and ln > 0 for ln in lengths], contents))
         self._bindings.update(zip(hashes, bs))
@@ -512,8 +516,6 @@ class KeyDirectory:
             inst = batch.instance_id
             self._l1_chunks.setdefault(inst, set()).update(hashes)
             self._l1_keys[inst] = self._l1_keys.get(inst, 0) + n
-        self._entries_stored += n
-        self._warn_unfilled(batch)
 
     def _warn_unfilled(self, batch: EventBatch) -> None:
         unfilled = batch.entries.tokens.unfilled

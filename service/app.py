@@ -55,7 +55,7 @@ class _BlendApp(FastAPI):
         fast = self._fast_path
         if fast is None:
             context: ServiceContext = self.state.blendmatch_context
-            fast = self._fast_path = FastPath(super().__call__, context=context, limit=context.config.body_limit)
+            fast = self._fast_path = FastPath(super().__call__, context=context, limit=int(context.config.max_body_bytes))
         await fast(scope, receive, send)
 
 
@@ -76,7 +76,7 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
                     lifespan=lifespan)
     app.state.blendmatch_context = context
     install_error_handlers(app, context.metrics)
-    app.add_middleware(BodyLimitMiddleware, limit=config.body_limit,
+    app.add_middleware(BodyLimitMiddleware, limit=int(config.max_body_bytes),
                        on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
     for module in (routes_lookup, routes_events, routes_directory, routes_ops):
         # Flattened into the app's own route list rather than include_router(): recent

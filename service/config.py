@@ -79,12 +79,6 @@ class ServiceConfig(BaseModel):
         return self
 
     @property
-    def body_limit(self) -> int:
-        """The effective body size limit in bytes (never None)."""
-        limit = self.max_body_bytes
-        return limit if limit is not None else self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES
-
-    @property
     def effective_engine_threads(self) -> int:
         """``engine_threads``, or one less than the machine's CPUs (at least 1)."""
         if self.engine_threads is not None:

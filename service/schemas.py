@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from blendmatch.index.wire_models import ObjectKeyModel
-from blendmatch.index.types import BlendMatch, BlendNamespace
+from blendmatch.index.types import BlendNamespace
 
 
 __all__ = [
@@ -42,14 +42,12 @@ __all__ = [
     "DirectoryLookupRequest",
     "DirectoryLookupResponse",
     "DirectoryStatsResponse",
-    "EncodedObjectKey",
     "EngineInfo",
     "MAX_LOOKUP_KEYS",
     "PlacementModel",
     "HealthResponse",
     "ErrorResponse",
     "MAX_BATCH_QUERIES",
-    "matches_to_wire",
 ]
 
 #: Most queries one ``/directory/blend-lookup/batch`` request may carry. Each query costs a
@@ -125,16 +123,6 @@ class CacheEventsResponse(BaseModel):
     stale: int = 0
 
 
-class EncodedObjectKey(BaseModel):
-    """An object key on the wire (LMCache's ``EncodedObjectKey``): ``chunk_hash`` as hex."""
-
-    chunk_hash_hex: str
-    model_name: str
-    kv_rank: int
-    object_group_id: int = 0
-    cache_salt: str = ""
-
-
 class PlacementModel(BaseModel):
     """One copy of a key. A shared-pool placement has ``instance_id ""`` and ``shared``."""
 
@@ -170,7 +158,7 @@ class DirectoryKeyPlacements(BaseModel):
     """One resolved key: its placements (empty when unknown) and its chunk's token ids
     (empty when unknown)."""
 
-    key: EncodedObjectKey
+    key: ObjectKeyModel
     placements: list[PlacementModel] = Field(default_factory=list)
     token_ids: list[int] = Field(default_factory=list)
 
@@ -185,7 +173,7 @@ class DirectoryLookupResponse(BaseModel):
 class DirectoryKeyInfo(BaseModel):
     """One listed key with its placements that matched the filters."""
 
-    key: EncodedObjectKey
+    key: ObjectKeyModel
     placements: list[PlacementModel] = Field(default_factory=list)
     num_tokens: int = 0
 
@@ -229,9 +217,3 @@ class ErrorResponse(BaseModel):
 
     detail: str
     errors: list[dict[str, Any]] | None = None
-
-
-def matches_to_wire(matches: list[BlendMatch]) -> dict[str, list[dict[str, Any]]]:
-    """``{"matches": [...]}`` for one query, built without per-match model objects (hot path)."""
-    return {"matches": [{"chunk_hash": m.chunk_hash.hex(), "old_st": int(m.old_st), "cur_st": int(m.cur_st)}
-                        for m in matches]}

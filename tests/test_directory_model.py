@@ -131,7 +131,7 @@ def _check(d: KeyDirectory, naive: Naive, rng: random.Random, pool: list[list[in
             parts += rng.choice(pool[:10]) if rng.random() < 0.8 else noise
         queries.append(parts)
     batch = [(q, ns) for q in queries for ns in NAMESPACES]
-    got = d.blend_match_batch(batch)
+    got = d.blend_index.match_batch(batch)
     for (q, ns), res in zip(batch, got):
         assert [m.cur_st for m in res] == sorted(m.cur_st for m in res), "not ascending cur_st"
         mine = sorted((m.cur_st, m.chunk_hash, m.old_st) for m in res)

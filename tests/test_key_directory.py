@@ -461,7 +461,7 @@ def test_enable_twice_is_an_error(d):
 
 def test_blend_match_batch(d, feed):
     feed.store("a", E(1, X, offset=0), E(2, Y, offset=4))
-    out = d.blend_match_batch([(X + Y, NS), (Y, BlendNamespace("n", "", 1))])
+    out = d.blend_index.match_batch([(X + Y, NS), (Y, BlendNamespace("n", "", 1))])
     assert out == [[BlendMatch(H(1), 0, 0), BlendMatch(H(2), 4, 4)], []]
 
 

@@ -128,8 +128,8 @@ def test_config_rejects_bad_values():
                 {"max_batch_wait_ms": -1}, {"unknown": 1}):
         with pytest.raises(ValidationError):
             config(**bad)
-    assert config().body_limit == 1_000_000 * 16 + (1 << 20)
-    assert config(max_body_bytes=4096).body_limit == 4096
+    assert config().max_body_bytes == 1_000_000 * 16 + (1 << 20)
+    assert config(max_body_bytes=4096).max_body_bytes == 4096
 
 
 def test_events_helper_shape():
