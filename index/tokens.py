@@ -45,6 +45,7 @@ __all__ = [
     "as_token_rows",
     "as_tokens",
     "b64_token_count",
+    "check_one_form",
     "check_token_count",
     "decode_b64",
     "decode_b64_many",
@@ -145,6 +146,14 @@ def _check_range(lo: int, hi: int, name: str) -> None:
         raise TokenDecodeError(name, _range_reason(hi))
 
 
+def check_one_form(tokens_b64: Any, token_ids: Any) -> None:
+    """A query gives its tokens in exactly one form (``None`` means not given); raises
+    :class:`TokenDecodeError` naming both fields otherwise. The lookup schema calls this."""
+    if (tokens_b64 is None) == (token_ids is None):
+        which = "both were given" if tokens_b64 is not None else "neither was given"
+        raise TokenDecodeError("tokens_b64/token_ids", f"give exactly one of the two token forms; {which}")
+
+
 def decode_tokens(tokens_b64: str | None = None, token_ids: Sequence[int] | None = None) -> np.ndarray:
     """Decode exactly one of ``tokens_b64`` / ``token_ids`` to a read-only 1-D uint32 array.
 
@@ -152,9 +161,7 @@ def decode_tokens(tokens_b64: str | None = None, token_ids: Sequence[int] | None
     base64, a byte length not a multiple of 4, non-integer / negative / >= 2^32 ids.
     An empty query (``""`` or ``[]``) is valid and decodes to an empty array.
     """
-    if (tokens_b64 is None) == (token_ids is None):
-        which = "both were given" if tokens_b64 is not None else "neither was given"
-        raise TokenDecodeError("tokens_b64/token_ids", f"give exactly one of the two token forms; {which}")
+    check_one_form(tokens_b64, token_ids)
     if tokens_b64 is not None:
         return decode_b64(tokens_b64)
     return decode_token_ids(token_ids)

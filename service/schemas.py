@@ -26,6 +26,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from blendmatch.index.wire_models import ObjectKeyModel
+from blendmatch.index.tokens import TokenDecodeError, check_one_form
 from blendmatch.index.types import BlendNamespace
 
 
@@ -75,9 +76,10 @@ class BlendLookupRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_token_form(self) -> "BlendLookupRequest":
-        if (self.tokens_b64 is None) == (self.token_ids is None):
-            which = "both were given" if self.tokens_b64 is not None else "neither was given"
-            raise ValueError(f"give exactly one of tokens_b64 / token_ids; {which}")
+        try:
+            check_one_form(self.tokens_b64, self.token_ids)
+        except TokenDecodeError as exc:
+            raise ValueError(exc.reason) from None
         return self
 
     @property
