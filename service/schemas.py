@@ -3,7 +3,8 @@
 Lookups (``POST /directory/blend-lookup``, LMCache-compatible; ``.../batch`` is ours):
 request ``{tokens_b64 | token_ids, model_name, world_size=1, cache_salt=""}`` -> response
 ``{"matches": [{"chunk_hash": "<lowercase hex>", "old_st": int, "cur_st": int}]}`` in
-ascending ``cur_st`` (several chunks may share a ``cur_st``; matches may overlap, see
+ascending ``cur_st`` (at most one match per position and one per chunk hash: LMCache's
+per-position rule; matches may overlap, see
 ``blendmatch.service.client.resolve_overlaps``).
 
 Validation is strict (no coercion): ``"2"`` is not a world size, ``true`` is not a token id,
@@ -97,7 +98,8 @@ class BlendMatchModel(BaseModel):
 
 
 class BlendLookupResponse(BaseModel):
-    """Matches in ascending ``cur_st``, at most one per chunk hash; they may overlap."""
+    """Matches in ascending ``cur_st``, at most one per position and one per chunk hash
+    (LMCache's per-position rule); they may overlap."""
 
     matches: list[BlendMatchModel] = Field(default_factory=list)
 
