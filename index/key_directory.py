@@ -297,16 +297,18 @@ class KeyDirectory:
         """Apply one batch (the unit a log transport such as Kafka carries)."""
         return self.apply(EventRequest((parse_event_batch(batch),)))
 
-    def drop_instance(self, instance_id: str) -> FenceResult:
-        """The instance left (deregistered, or expired by the reaper): fence its private L1
-        placements, forget its event cursor (a later reconnect starts fresh at any
-        incarnation) and its declared capacity. Its L2 and shared placements stay (their
-        storage outlives the process). Idempotent; LMCache's ``EventGate.drop_instance``
-        plus ``ServerConfigRegistry.forget``."""
+    def drop_instance(self, instance_id: str, *, forget_capacity: bool = True) -> FenceResult:
+        """The instance left: fence its private L1 placements and forget its event cursor (a
+        later reconnect starts fresh at any incarnation); with ``forget_capacity`` (a
+        deregistration) also its declared capacity. Its L2 and shared placements stay
+        (their storage outlives the process). Idempotent. LMCache's
+        ``EventGate.drop_instance`` (the reaper: capacity kept) plus
+        ``ServerConfigRegistry.forget`` (``DELETE /instances/{id}``)."""
         with self._lock:
             result = self._fence_locked(instance_id)
             self._gate.drop_cursor(instance_id)
-            self._capacity.forget(instance_id)
+            if forget_capacity:
+                self._capacity.forget(instance_id)
             return result
 
     def fence_instance(self, instance_id: str) -> FenceResult:
