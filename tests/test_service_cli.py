@@ -81,7 +81,7 @@ def _value_for(flag: str) -> list[str]:
 
 def test_every_lmcache_coordinator_flag_is_accepted(monkeypatch):
     flags = _lmcache_flags()
-    assert len(flags) == 21  # the fixture really lists LMCache's flags
+    assert len(flags) == 22  # the fixture really lists LMCache's flags
     parser = cli.argparse.ArgumentParser()
     cli._add_serve_flags(parser)
     cli._add_lmcache_only_flags(parser)
