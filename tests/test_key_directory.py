@@ -590,3 +590,13 @@ def test_concurrent_ingest_and_lookup():
     assert not errors
     stats = d.stats()
     assert stats["blend_index"]["num_chunks"] == stats["token_bindings"] == stats["keys"]
+
+
+def test_restore_sequence_lmcache_misses_is_indexed_here(d, feed):
+    """Deliberate difference (docs/lmcache.md): content first stored with offset -1, a second
+    key joining, then the first key re-stored at a real offset -> findable here."""
+    feed.store("a", E(1, X, offset=-1))
+    feed.store("a", E(1, kv_rank=pack_kv_rank(1, 0) | (1 << 16)))  # a second key of the same chunk hash
+    assert hits(d, X) == []
+    feed.store("a", E(1, X, offset=8))
+    assert hits(d, X) == [(H(1), 8, 0)]
