@@ -450,6 +450,19 @@ class KeyDirectory:
             return None
         return _instance_usage(instance_id, used, declared, registered)
 
+    def rebuild_usage(self) -> None:
+        """Recompute the usage ledger (bytes per owner/tier/backend, count and bytes per tier)
+        from the placements held. The ledger is kept incrementally by apply, delete and
+        fencing; call this after restoring placements by any other path (a checkpoint).
+        O(placements)."""
+        with self._lock:
+            ledger = UsageLedger()
+            for b in self._bindings.values():
+                for _, pls in b.members:
+                    for p in pls:
+                        ledger.add(p.instance_id, p.tier, p.backend, 1, p.size_bytes)
+            self._usage = ledger
+
     def capacity_snapshot(self) -> dict[str, Any]:
         """Declared capacities as plain JSON-able data (for checkpoints)."""
         with self._lock:

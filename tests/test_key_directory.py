@@ -364,6 +364,9 @@ def test_usage_joins_used_bytes_to_declared_capacity(d, feed):
                                         "capacity_bytes": 4000, "usage_ratio": 0.1}]
     feed.delete("a", E(2), backend="dram")
     assert d.instance_usage("a", True)["modules"][0]["used_bytes"] == 120
+    before = (d.usage(["a"]), d.stats()["l1_size_bytes"], d.stats()["l2_count"])
+    d.rebuild_usage()  # the incremental ledger equals a walk of the placements
+    assert (d.usage(["a"]), d.stats()["l1_size_bytes"], d.stats()["l2_count"]) == before
     assert d.instance_usage("zzz", False) is None
     d.drop_instance("a")
     st = d.stats()
