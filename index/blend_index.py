@@ -10,9 +10,13 @@ every query window without touching the host structures.
 ``match_batch`` pipeline: one engine probe for the whole batch -> candidates
 ``(query, cur_st, fingerprint)`` ascending -> under the lock: fingerprint map lookup ->
 namespace filter (occupants the requester does not claim are skipped *before* tokens are
-compared) -> token-exact verification -> at most one match per chunk hash per query,
-ascending ``cur_st`` (occupants of one content in first-indexed order). A chunk is marked
-seen only after it was verified.
+compared) -> token-exact verification -> LMCache 0.5.6's per-position rule: positions in
+ascending order with one ``seen`` set per query; at each position the first occupant of
+that content (first-indexed order; a hash removed and re-added goes last) that the
+requester claims, is not yet seen and verifies is reported, and the walk moves on. So at
+most one match per position and no chunk hash twice in a query: content C stored under
+A then B, query ``C..C`` -> A at the first copy, B at the second. A chunk is marked seen
+only after it was verified.
 
 Invariants:
 - A chunk whose ``token_offset`` is unknown (-1) is never indexed as a new occupant, and a
@@ -97,7 +101,9 @@ def _claimed(occ, ns, o_claim, k_ns, k_next):  # pragma: no cover - compiled
 @numba.njit(cache=True, nogil=True)
 def _verify_nb(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask,
                c_occ, o_next, o_claim, k_ns, k_next):  # pragma: no cover - compiled
-    """Emit ``(candidate, occupant)`` pairs that pass the namespace filter and verification."""
+    """Emit ``(candidate, occupant)`` pairs that pass the namespace filter and verification:
+    for each verified candidate, every occupant the requester claims, in first-indexed order
+    (the caller applies the per-position rule: the first of them not yet seen)."""
     n = cq.shape[0]
     cap = 64
     out_c = np.empty(cap, dtype=np.int64)
@@ -313,7 +319,8 @@ class BlendIndex:
         return self.match_batch([(tokens, ns)])[0]
 
     def match_batch(self, queries: Sequence[tuple[Any, BlendNamespace]]) -> list[list[BlendMatch]]:
-        """Matches for each query, in order: ascending ``cur_st``, at most one per chunk hash."""
+        """Matches for each query, in order: ascending ``cur_st``, at most one per position and
+        one per chunk hash (the per-position rule of the module docstring)."""
         return self.match_batch_detailed(queries)[0]
 
     def match_batch_detailed(self, queries: Sequence[tuple[Any, BlendNamespace]]
@@ -607,13 +614,20 @@ class BlendIndex:
             hashes = self._o_hash
             qidx = cands.query_index[ci].tolist()
             cur = cands.cur_st[ci].tolist()
+            # The per-position rule: pairs come grouped by candidate (one candidate per query
+            # position, ascending), occupants in first-indexed order; take the first whose hash
+            # this query has not seen, then skip the candidate's other occupants.
             seen: set[tuple[int, bytes]] = set()
-            for q, st, occ in zip(qidx, cur, oi.tolist()):
+            taken = -1
+            for c, q, st, occ in zip(ci.tolist(), qidx, cur, oi.tolist()):
+                if c == taken:
+                    continue
                 h = hashes[occ]
                 key = (q, h)
                 if key in seen:
                     continue
                 seen.add(key)
+                taken = c
                 results[q].append(BlendMatch(h, int(offsets[occ]), st))
             stats.matches = len(seen)
 

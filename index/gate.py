@@ -87,6 +87,11 @@ class IngestGate:
         self.applied += 1
         return verdict
 
+    def drop_cursor(self, instance_id: str) -> bool:
+        """Forget an instance's cursor (it deregistered or expired), so that a later
+        reconnect starts fresh at any incarnation and seq. Returns whether one was held."""
+        return self._cursors.pop(instance_id, None) is not None
+
     def cursor(self, instance_id: str) -> Optional[InstanceCursor]:
         """The instance's ``(incarnation, last_seq)``, or None if never seen."""
         return self._cursors.get(instance_id)

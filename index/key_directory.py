@@ -74,6 +74,7 @@ import numpy as np
 from blendmatch.gpu import Engine
 
 from .blend_index import BlendIndex
+from .capacity import CapacityDeclarations, UsageLedger, usage_ratio
 from .gate import Admission, IngestGate
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
 from .wire import (
@@ -89,8 +90,10 @@ from .wire import (
 from .types import BlendMatch, BlendNamespace, ObjectKey
 
 __all__ = [
+    "NOT_INDEXABLE_REASONS",
     "SHARED_POOL_INSTANCE",
     "ApplyCounts",
+    "ApplyReport",
     "BlendLookupDisabled",
     "FenceResult",
     "KeyDirectory",
@@ -107,6 +110,28 @@ class ApplyCounts(NamedTuple):
     applied: int
     duplicates: int
     stale: int
+
+
+#: Why an applied STORE entry fed nothing to the blend index (each entry gets at most one,
+#: in this order of precedence): ids outside uint32; content whose length is not the chunk
+#: size; a key of world size 0 (no lookup can ask for it: world_size >= 1); content with
+#: ``token_offset -1`` and no known offset for it (a wrong ``old_st`` is never offered).
+NOT_INDEXABLE_REASONS = ("tokens_outside_uint32", "wrong_length", "world_size_0", "token_offset_unknown")
+
+
+class ApplyReport(NamedTuple):
+    """What one request did: the batch counts (LMCache's reply) plus our per-entry counts:
+    entries of applied batches, and applied STORE entries that fed nothing to the blend
+    index, by reason (:data:`NOT_INDEXABLE_REASONS`; empty while blend lookup is off)."""
+
+    counts: ApplyCounts
+    entries_applied: int
+    not_indexable: dict[str, int]
+
+    def as_wire(self) -> dict[str, Any]:
+        """The ``POST /events`` reply: ``{applied, duplicates, stale}`` plus our extra fields."""
+        return {**self.counts._asdict(), "entries_applied": self.entries_applied,
+                "entries_not_indexable": dict(self.not_indexable)}
 
 
 class FenceResult(NamedTuple):
@@ -180,7 +205,11 @@ class KeyDirectory:
         self._bindings: dict[bytes, _Binding] = {}
         self._l1_chunks: dict[str, set[bytes]] = {}  # instance -> chunk hashes with its private L1 copy
         self._l1_keys: dict[str, int] = {}  # instance -> keys with a private L1 placement there
-        self._capacity: dict[tuple[str, str, str], tuple[int | None, int | None]] = {}
+        self._capacity = CapacityDeclarations()
+        self._usage = UsageLedger()
+        self._entries_applied = 0
+        self._not_indexable = dict.fromkeys(NOT_INDEXABLE_REASONS, 0)
+        self._warned: set[tuple[str, str]] = set()  # (instance, reason) already logged once
         self._interned: dict[Any, Any] = {}
         self._singles: dict[tuple[int, int], tuple[_Member, ...]] = {}
         self._index: Optional[BlendIndex] = None
@@ -234,8 +263,13 @@ class KeyDirectory:
         passes the gate in order, under the lock, so the request applies atomically with
         respect to other requests.
         """
+        return self.apply_detailed(request).counts
+
+    def apply_detailed(self, request: Union[EventRequest, Mapping[str, Any]]) -> ApplyReport:
+        """:meth:`apply`, also reporting per-entry counts (:class:`ApplyReport`)."""
         parsed = parse_event_request(request)
-        applied = duplicates = stale = 0
+        applied = duplicates = stale = entries = 0
+        skipped = dict.fromkeys(NOT_INDEXABLE_REASONS, 0)
         with self._lock:
             for batch in parsed.batches:
                 verdict = self._gate.admit(batch.instance_id, batch.incarnation, batch.seq)
@@ -249,13 +283,32 @@ class KeyDirectory:
                     result = self._fence_locked(batch.instance_id)
                     log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
                              batch.instance_id, batch.incarnation, result.placements)
+                if batch.event_type == "store":
+                    self._classify_store_locked(batch, skipped)
                 self._apply_batch_locked(batch)
                 applied += 1
-        return ApplyCounts(applied, duplicates, stale)
+                entries += len(batch.entries)
+            self._entries_applied += entries
+        return ApplyReport(ApplyCounts(applied, duplicates, stale), entries,
+                           {k: v for k, v in skipped.items() if v})
 
     def apply_batch(self, batch: Union[EventBatch, Mapping[str, Any]]) -> ApplyCounts:
         """Apply one batch (the unit a log transport such as Kafka carries)."""
         return self.apply(EventRequest((parse_event_batch(batch),)))
+
+    def drop_instance(self, instance_id: str, *, forget_capacity: bool = True) -> FenceResult:
+        """The instance left: fence its private L1 placements and forget its event cursor (a
+        later reconnect starts fresh at any incarnation); with ``forget_capacity`` (a
+        deregistration) also its declared capacity. Its L2 and shared placements stay
+        (their storage outlives the process). Idempotent. LMCache's
+        ``EventGate.drop_instance`` (the reaper: capacity kept) plus
+        ``ServerConfigRegistry.forget`` (``DELETE /instances/{id}``)."""
+        with self._lock:
+            result = self._fence_locked(instance_id)
+            self._gate.drop_cursor(instance_id)
+            if forget_capacity:
+                self._capacity.forget(instance_id)
+            return result
 
     def fence_instance(self, instance_id: str) -> FenceResult:
         """Drop every private L1 placement of ``instance_id`` (its memory is gone after a
@@ -336,7 +389,17 @@ class KeyDirectory:
         """Counts for ``GET /directory/stats`` and metrics (cheap: no scan of the keys)."""
         with self._lock:
             index = self._index
+            usage = self._usage
+            blend = index.stats() if index is not None else None
             return {
+                # LMCache 0.5.6's DirectoryStats names first (same meaning), then ours
+                "num_keys": self._num_keys,
+                "num_placements": self._num_placements,
+                "l1_keys_by_instance": dict(self._l1_keys),
+                "l1_count": usage.tier_count.get("l1", 0),
+                "l1_size_bytes": usage.tier_bytes.get("l1", 0),
+                "l2_count": usage.tier_count.get("l2", 0),
+                "l2_size_bytes": usage.tier_bytes.get("l2", 0),
                 "keys": self._num_keys,
                 "chunk_hashes": len(self._bindings),
                 "placements": self._num_placements,
@@ -348,12 +411,66 @@ class KeyDirectory:
                            "entries_stored": self._entries_stored,
                            "entries_deleted": self._entries_deleted,
                            "entries_accessed": self._entries_accessed,
-                           "entries_unfilled": self._entries_unfilled},
-                "capacity": [{"instance_id": i, "tier": t, "backend": be, "capacity_bytes": cb,
-                              "capacity_revision": cr} for (i, t, be), (cb, cr) in self._capacity.items()],
+                           "entries_unfilled": self._entries_unfilled,
+                           "entries_applied": self._entries_applied,
+                           "entries_not_indexable": dict(self._not_indexable)},
+                "capacity": self._capacity.rows(),
                 "blend_lookup_enabled": index is not None,
-                "blend_index": index.stats() if index is not None else None,
+                "blend_index": blend,
             }
+
+    def usage(self, registered: Iterable[str] = ()) -> dict[str, Any]:
+        """LMCache's ``GET /instances/usage`` body: every instance that is registered
+        (``registered``), holds bytes or declared capacity, with its private compartments
+        (used bytes joined to declared capacity, ``usage_ratio`` None when undeclared), and
+        the shared pools counted once (capacity only where every declaring instance agrees)."""
+        registered = set(registered)
+        with self._lock:
+            owners = self._usage.owners()
+            declared = {inst: self._capacity.get(inst) for inst in self._capacity.instances()}
+        instances = [_instance_usage(inst, owners.get(inst, {}), declared.get(inst, ()), inst in registered)
+                     for inst in sorted(registered | (set(owners) - {SHARED_POOL_INSTANCE}) | set(declared))]
+        claims: dict[tuple[str, str], set[int]] = {}
+        for comps in declared.values():
+            for c in comps:
+                if c.shared:
+                    claims.setdefault((c.tier, c.backend), set()).add(c.capacity_bytes)
+        shared = [_module_usage(t, b, used, _agreed(claims.get((t, b))), True)
+                  for (t, b), used in sorted(owners.get(SHARED_POOL_INSTANCE, {}).items())]
+        return {"instances": instances, "shared_modules": shared}
+
+    def instance_usage(self, instance_id: str, registered: bool) -> Optional[dict[str, Any]]:
+        """One instance's entry of :meth:`usage`, or None when it is unknown (not
+        registered, holding no bytes, having declared nothing)."""
+        with self._lock:
+            used = self._usage.owners().get(instance_id, {}) if instance_id != SHARED_POOL_INSTANCE else {}
+            declared = self._capacity.get(instance_id)
+        if not registered and not used and not declared:
+            return None
+        return _instance_usage(instance_id, used, declared, registered)
+
+    def rebuild_usage(self) -> None:
+        """Recompute the usage ledger (bytes per owner/tier/backend, count and bytes per tier)
+        from the placements held. The ledger is kept incrementally by apply, delete and
+        fencing; call this after restoring placements by any other path (a checkpoint).
+        O(placements)."""
+        with self._lock:
+            ledger = UsageLedger()
+            for b in self._bindings.values():
+                for _, pls in b.members:
+                    for p in pls:
+                        ledger.add(p.instance_id, p.tier, p.backend, 1, p.size_bytes)
+            self._usage = ledger
+
+    def capacity_snapshot(self) -> dict[str, Any]:
+        """Declared capacities as plain JSON-able data (for checkpoints)."""
+        with self._lock:
+            return self._capacity.snapshot()
+
+    def restore_capacity(self, state: Mapping[str, Any]) -> None:
+        """Load a :meth:`capacity_snapshot` value (replaces what is held)."""
+        with self._lock:
+            self._capacity.restore(state)
 
     # ------------------------------------------------------------------ batches
     def _apply_batch_locked(self, batch: EventBatch) -> None:
@@ -368,16 +485,89 @@ class KeyDirectory:
             self._config_locked(batch)
 
     def _config_locked(self, batch: EventBatch) -> None:
-        """Record a backend's capacity; a lower ``capacity_revision`` than the one held is
-        ignored (revisions order reports that may arrive out of order across restarts)."""
-        inst = SHARED_POOL_INSTANCE if batch.shared else batch.instance_id
-        slot = (inst, batch.tier, batch.backend)
-        old = self._capacity.get(slot)
-        rev = batch.capacity_revision
-        if old is not None and old[1] is not None and rev is not None and rev < old[1]:
+        """Record one compartment of an instance's capacity declaration: a newer
+        ``(incarnation, capacity_revision)`` stamp replaces the instance's declaration, an
+        equal one extends it, an older one is dropped (``capacity.CapacityDeclarations``)."""
+        if not self._capacity.consume(batch.instance_id, batch.incarnation, batch.capacity_revision, batch.tier,
+                                      batch.backend, batch.capacity_bytes, batch.shared):
+            log.info("capacity declaration from %s (incarnation %d, revision %d) is older than the one held; "
+                     "dropped", batch.instance_id, batch.incarnation, batch.capacity_revision)
+
+    def _classify_store_locked(self, batch: EventBatch, skipped: dict[str, int]) -> None:
+        """Before a STORE batch is applied: account its placement bytes (the usage ledger,
+        from the placements it replaces) and count its entries that will feed nothing to the
+        blend index, by reason (logged once per instance and reason). Reads the state the
+        store is about to change, so it runs first; column-wise in the common case."""
+        entries = batch.entries
+        n = len(entries)
+        if not n:
             return
-        cap = batch.capacity_bytes if batch.capacity_bytes is not None else (old[0] if old else None)
-        self._capacity[slot] = (cap, rev if rev is not None else (old[1] if old else None))
+        self._account_store_bytes(batch)
+        index = self._index
+        if index is None:
+            return
+        column = entries.tokens
+        lengths = column.lengths
+        reason_of: dict[int, str] = {}
+        for i in column.unfilled:
+            reason_of[i] = "tokens_outside_uint32"
+        size = index.chunk_size
+        if not column.rows_of_length(size):
+            for i, ln in enumerate(lengths):
+                if ln and ln != size and i not in reason_of:
+                    reason_of[i] = "wrong_length"
+        if any(sc.namespace.world_size == 0 for sc in set(entries.scopes)):
+            for i, sc in enumerate(entries.scopes):
+                if sc.namespace.world_size == 0 and i not in reason_of:
+                    reason_of[i] = "world_size_0"
+        if -1 in entries.offsets:
+            bindings = self._bindings
+            for i, (h, off) in enumerate(zip(entries.chunk_hashes, entries.offsets)):
+                if off == -1 and lengths[i] and i not in reason_of:
+                    b = bindings.get(h)
+                    if b is None or b.offset < 0 or b.tokens is None or not np.array_equal(b.tokens, column.row(i)):
+                        reason_of[i] = "token_offset_unknown"
+        if not reason_of:
+            return
+        for i, reason in reason_of.items():
+            skipped[reason] += 1
+            self._not_indexable[reason] += 1
+            if (batch.instance_id, reason) not in self._warned and len(self._warned) < 65536:
+                self._warned.add((batch.instance_id, reason))
+                log.warning("STORE entries from %s are not indexable for blend lookup (%s; first: chunk %s, "
+                            "seq %d); counted in entries_not_indexable, logged once per instance and reason",
+                            batch.instance_id, reason, entries.chunk_hashes[i].hex(), batch.seq)
+
+    def _account_store_bytes(self, batch: EventBatch) -> None:
+        """Usage-ledger delta of a STORE batch: each entry adds a placement with its size, or
+        replaces the same copy (same instance, tier, backend) of the same key."""
+        entries = batch.entries
+        owner = SHARED_POOL_INSTANCE if batch.shared else batch.instance_id
+        ident = (owner, batch.tier, batch.backend)
+        bindings = self._bindings
+        if entries.distinct_hashes and bindings.keys().isdisjoint(entries.chunk_hashes):
+            self._usage.add(owner, batch.tier, batch.backend, len(entries), sum(entries.sizes))
+            return
+        count = delta = 0
+        seen: dict[tuple[bytes, KeyScope], int] = {}
+        for h, scope, size in zip(entries.chunk_hashes, entries.scopes, entries.sizes):
+            old = seen.get((h, scope))
+            if old is None:
+                b = bindings.get(h)
+                if b is not None:
+                    for sc, pls in b.members:
+                        if sc == scope:
+                            for q in pls:
+                                if placement_ident(q) == ident:
+                                    old = q.size_bytes
+                            break
+            if old is None:
+                count += 1
+                delta += size
+            else:
+                delta += size - old
+            seen[(h, scope)] = size
+        self._usage.add(owner, batch.tier, batch.backend, count, delta)
 
     def _placement_of(self, batch: EventBatch, size: int) -> Placement:
         if batch.shared:
@@ -713,6 +903,7 @@ class KeyDirectory:
         without members too. ``l1_exact=False``: the caller (fencing) resets the instance's
         L1 bookkeeping itself."""
         self._num_placements -= len(old) - len(kept)
+        self._usage.remove_placements(q for q in old if q not in kept)
         if l1_exact:
             self._drop_l1_bookkeeping(h, b, j, old, kept)
         members = b.members
@@ -767,3 +958,27 @@ def _own_copy(view: np.ndarray) -> np.ndarray:
     out = view.copy()
     out.setflags(write=False)
     return out
+
+
+def _module_usage(tier: str, backend: str, used: int, capacity: int, shared: bool) -> dict[str, Any]:
+    return {"tier": tier, "backend": backend, "shared": shared, "used_bytes": used, "capacity_bytes": capacity,
+            "usage_ratio": usage_ratio(used, capacity)}
+
+
+def _instance_usage(instance_id: str, used: Mapping[tuple[str, str], int], declared: Sequence[Any],
+                    registered: bool) -> dict[str, Any]:
+    """LMCache's ``InstanceMemoryStatus``: private compartments sorted by (tier, backend);
+    declared-but-empty compartments report 0 bytes; shared ones are fleet-level."""
+    caps = {(c.tier, c.backend): c.capacity_bytes for c in declared}
+    modules = {(t, b): _module_usage(t, b, n, caps.get((t, b), 0), False) for (t, b), n in used.items()}
+    for c in declared:
+        if not c.shared and (c.tier, c.backend) not in modules:
+            modules[(c.tier, c.backend)] = _module_usage(c.tier, c.backend, 0, c.capacity_bytes, False)
+    return {"instance_id": instance_id, "registered": registered, "declared_capacity": bool(declared),
+            "modules": [modules[k] for k in sorted(modules)]}
+
+
+def _agreed(values: Optional[set[int]]) -> int:
+    """A shared pool's capacity: the one value every declaring instance agrees on, else 0
+    (undeclared: picking one would depend on declaration order)."""
+    return next(iter(values)) if values and len(values) == 1 else 0

@@ -13,17 +13,27 @@ keep working)::
         "tier": "l1" | "l2",                  # nothing else, "all" included
         "backend": str (non-empty except for access; default ""),
         "shared": bool = false, "ts": number >= 0 = 0,
-        "capacity_bytes": int >= 0, "capacity_revision": int >= 0,   # config only, optional
+        "capacity_bytes": int >= 0 = 0, "capacity_revision": int >= 0 = 0,
         "entries": [{                        # config batches carry none; default []
             "key": {"chunk_hash_hex": hex (even length, either case, 1..128 bytes),
                     "model_name": str (non-empty, no "@"),
                     "kv_rank": int in 0..2^32-1 (packed, see types.pack_kv_rank),
                     "object_group_id": int >= 0 = 0,
                     "cache_salt": str = "" (at most 128 chars, none of "@", "/", "\\", NUL)},
-            "size_bytes": int >= 0,
+            "size_bytes": int >= 0 = 0,       # meaningful on store only
             "token_ids": [int, ...] = [],     # in-process also packed, see below
             "tokens_b64": str | null = null,  # ours, not LMCache's: see below
             "token_offset": int >= -1 = -1}]}]}
+
+Capacity fields: LMCache 0.5.6's serializer writes ``capacity_bytes`` and
+``capacity_revision`` (0 and 0) on *every* batch, so any non-negative value is accepted on
+every event type; they mean something only on ``config`` batches (the directory's
+declared-capacity rule). ``size_bytes`` defaults to 0 as in LMCache (its DELETE and ACCESS
+entries carry 0; the value is ignored there). Rejected exactly as LMCache rejects them:
+an empty ``instance_id``; an empty ``backend`` except on access batches; a config batch
+with entries; a negative size, capacity, revision, incarnation or ``ts``; ``seq < 1``;
+``tier`` other than ``l1``/``l2`` (``all`` included); ``token_offset < -1``; a bad key
+(bad hex, ``@`` in the model name, a bad salt).
 
 ``tokens_b64`` (a blendmatch extension; LMCache senders send ``token_ids``): the entry's
 token ids as standard base64 of little-endian uint32, the form the blend-lookup endpoint
@@ -352,7 +362,6 @@ _KEY = itemgetter("key")
 _CHUNK_HASH_HEX = itemgetter("chunk_hash_hex")
 _MODEL_NAME = itemgetter("model_name")
 _KV_RANK = itemgetter("kv_rank")
-_SIZE_BYTES = itemgetter("size_bytes")
 _TOKENS_B64 = itemgetter("tokens_b64")
 _HAS_FIELD = dict.__contains__  # ``map(_HAS_FIELD, rows, repeat(name))``: a C loop of ``name in row``
 _STR_ONLY = {str}
@@ -390,7 +399,7 @@ def _parse_entries(raw: Any) -> EntryColumns:
         scopes = list(map(_INTERN.scopes.get, zip(map(_MODEL_NAME, keys), kv_ranks, groups,
                                                   _column(keys, "cache_salt", ""))))
         hashes = list(map(bytes.fromhex, hexes))
-        sizes = list(map(_SIZE_BYTES, raw))
+        sizes = _column(raw, "size_bytes", 0)
         offsets = _column(raw, "token_offset", UNKNOWN_TOKEN_OFFSET)
         hash_lens = set(map(len, hashes))
         ok = (sum(map(len, hexes)) == 2 * sum(map(len, hashes))
@@ -516,7 +525,7 @@ def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, Any]:
         salt = _INTERN.salt(key.get("cache_salt", ""))
     except _Bad as bad:
         raise _Bad(("key",) + bad.loc, bad.reason) from None
-    size = entry.get("size_bytes")
+    size = entry.get("size_bytes", 0)
     if type(size) is not int or not 0 <= size <= INT64_MAX:
         raise _Bad(("size_bytes",), _int_reason(size, 0, INT64_MAX))
     offset = entry.get("token_offset", UNKNOWN_TOKEN_OFFSET)
@@ -576,7 +585,8 @@ class EventBatch:
     """One validated batch of cache events from one instance (see the module docstring).
 
     A ``shared`` batch reports placements in a shared pool (deduplicated across reporters);
-    ``capacity_bytes``/``capacity_revision`` are set only on config batches.
+    ``capacity_bytes``/``capacity_revision`` are carried on every batch (LMCache sends 0, 0)
+    and mean something only on config batches.
     """
 
     instance_id: str
@@ -588,8 +598,8 @@ class EventBatch:
     shared: bool
     ts: float
     entries: EntryColumns
-    capacity_bytes: Optional[int] = None
-    capacity_revision: Optional[int] = None
+    capacity_bytes: int = 0
+    capacity_revision: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -658,8 +668,8 @@ def _parse_batch(raw: Any) -> EventBatch:
     ts = raw.get("ts", 0)
     if type(ts) not in (int, float) or not math.isfinite(ts) or ts < 0:
         raise _Bad(("ts",), "must be a finite number >= 0" + _got(ts))
-    capacity_bytes = _optional_int(raw, "capacity_bytes", event_type)
-    capacity_revision = _optional_int(raw, "capacity_revision", event_type)
+    capacity_bytes = _optional_int(raw, "capacity_bytes")
+    capacity_revision = _optional_int(raw, "capacity_revision")
     raw_entries = raw.get("entries", _NO_TOKENS)
     if event_type == "config" and raw_entries == _NO_TOKENS:
         entries = _empty_entries()
@@ -686,12 +696,11 @@ def _required_int(raw: dict, name: str, lo: int) -> int:
     return value
 
 
-def _optional_int(raw: dict, name: str, event_type: str) -> Optional[int]:
+def _optional_int(raw: dict, name: str) -> int:
+    """A non-negative integer field that defaults to 0 (``null`` reads as absent)."""
     value = raw.get(name)
     if value is None:
-        return None
-    if event_type != "config":
-        raise _Bad((name,), f"is only allowed on config batches (event_type is {event_type!r})")
+        return 0
     if type(value) is not int or not 0 <= value <= INT64_MAX:
         raise _Bad((name,), _int_reason(value, 0, INT64_MAX))
     return value

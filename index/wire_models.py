@@ -90,7 +90,9 @@ class EventEntryModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     key: ObjectKeyModel
-    size_bytes: int = Field(ge=0, le=INT64_MAX)
+    size_bytes: int = Field(default=0, ge=0, le=INT64_MAX,
+                            description="bytes of the stored copy; meaningful on store only (ignored on "
+                                        "delete and access, where LMCache sends 0)")
     token_ids: list[int] = Field(default_factory=list)
     tokens_b64: Optional[str] = Field(
         default=None,
@@ -132,16 +134,21 @@ class EventBatchModel(BaseModel):
     backend: str = ""
     shared: bool = False
     ts: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    capacity_bytes: Optional[int] = Field(default=None, ge=0, le=INT64_MAX)
-    capacity_revision: Optional[int] = Field(default=None, ge=0, le=INT64_MAX)
+    capacity_bytes: int = Field(
+        default=0, ge=0, le=INT64_MAX,
+        description="accepted on every batch (LMCache's serializer always sends it); meaningful on "
+                    "config batches only: the compartment's declared capacity (0: no limit declared)")
+    capacity_revision: int = Field(
+        default=0, ge=0, le=INT64_MAX,
+        description="accepted on every batch; on config batches, which declaration this belongs to: "
+                    "a newer (incarnation, capacity_revision) replaces the instance's declaration, an "
+                    "equal one extends it, an older one is dropped")
     entries: list[EventEntryModel] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "EventBatchModel":
         if not self.backend and self.event_type != "access":
             raise ValueError(f"backend must not be empty for {self.event_type} events")
-        if self.event_type != "config" and (self.capacity_bytes is not None or self.capacity_revision is not None):
-            raise ValueError("capacity_bytes/capacity_revision are only allowed on config batches")
         if self.event_type == "config" and self.entries:
             raise ValueError("config batches carry no entries")
         return self

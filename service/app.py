@@ -25,7 +25,7 @@ import blendmatch
 from blendmatch.index.wire_models import EventRequestModel
 from blendmatch.index.key_directory import KeyDirectory
 
-from . import routes_directory, routes_events, routes_lookup, routes_ops
+from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops
 from .config import ServiceConfig
 from .context import ServiceContext
 from .fastpath import FastPath
@@ -38,7 +38,9 @@ _DESCRIPTION = """\
 Fragment lookups for KV-cache reuse over an LMCache cache-event stream.
 
 LMCache-compatible: `POST /events`, `POST /directory/blend-lookup`, `POST /directory/lookup`
-(keys form), `GET /directory/keys`, `GET /directory/stats`, `DELETE /instances/{instance_id}`,
+(keys form), `GET /directory/keys`, `GET /directory/stats`, the instance registry
+(`POST /instances`, `PUT /instances/{instance_id}/heartbeat`, `GET /instances`,
+`DELETE /instances/{instance_id}`, `GET /instances/usage`, `GET /instances/{instance_id}/usage`),
 `GET /healthz`. Ours: `POST /directory/blend-lookup/batch`, `GET /metrics` (Prometheus).
 Errors: 422 for schema errors, 413 for limits, always `{"detail": "..."}` naming the field.
 """
@@ -78,7 +80,7 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
     install_error_handlers(app, context.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=int(config.max_body_bytes),
                        on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
-    for module in (routes_lookup, routes_events, routes_directory, routes_ops):
+    for module in (routes_lookup, routes_events, routes_directory, routes_instances, routes_ops):
         # Flattened into the app's own route list rather than include_router(): recent
         # FastAPI versions match included routers through an extra layer per router, which
         # cost about half of a trivial request's time. The routes are the same objects.

@@ -1,7 +1,10 @@
 """``blendmatch`` (and ``python -m blendmatch``): serve, bench, loadtest, openapi.
 
-``blendmatch serve`` mirrors LMCache's coordinator flags where they overlap (``--host``,
-``--port``, ``--chunk-size``, ``--blend-probe-stride``, ``--enable-blend-lookup``) and adds
+``blendmatch serve`` accepts every LMCache 0.5.6 coordinator flag: those that overlap mean
+the same (``--host``, ``--port``, ``--chunk-size``, ``--blend-probe-stride``,
+``--enable-blend-lookup``, ``--health-check-interval``, ``--instance-timeout``,
+``--timeout-keep-alive``); those with no meaning here are accepted with a one-line warning
+(``LMCACHE_IGNORED_FLAGS``), so an existing launch command works unchanged. It adds
 ours (``--engine``, batching knobs, limits). Blend lookup is *on* by default here (the
 service exists for it); ``--enable-blend-lookup`` is accepted for compatibility and
 ``--disable-blend-lookup`` turns it off. With no subcommand, flags go to ``serve``, so
@@ -60,6 +63,60 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d["log_level"].default,
                    choices=("critical", "error", "warning", "info", "debug"), help="(default %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
+    p.add_argument("--health-check-interval", type=float, default=d["health_check_interval"].default,
+                   help="seconds between sweeps that expire silent instances; 0 disables (default %(default)s)")
+    p.add_argument("--instance-timeout", type=float, default=d["instance_timeout"].default,
+                   help="seconds without a heartbeat after which an instance expires and its L1 placements "
+                        "are fenced (default %(default)s)")
+    p.add_argument("--timeout-keep-alive", type=float, default=d["timeout_keep_alive"].default,
+                   help="seconds idle HTTP connections stay open; keep it above the servers' heartbeat "
+                        "interval (LMCache: 5 s) (default %(default)s)")
+
+
+#: LMCache 0.5.6 coordinator flags that mean nothing here: accepted (so that an existing
+#: launch command works unchanged) and answered with one warning line each at start-up.
+#: ``(flag, argparse kwargs, why it is ignored)``.
+LMCACHE_IGNORED_FLAGS: tuple[tuple[str, dict, str], ...] = (
+    ("--eviction-check-interval", {"type": float}, "blendmatch runs no L2 eviction controller"),
+    ("--eviction-ratio", {"type": float}, "blendmatch runs no L2 eviction controller"),
+    ("--trigger-watermark", {"type": float}, "blendmatch runs no L2 eviction controller"),
+    ("--hash-algorithm", {}, "blendmatch has no token hasher (pins and the token form of /directory/lookup "
+                             "are not served here)"),
+    ("--checkpoint-path", {}, "this build of blendmatch does not checkpoint"),
+    ("--checkpoint-interval", {"type": float}, "this build of blendmatch does not checkpoint"),
+    ("--extra-config", {}, "blendmatch loads no out-of-tree controllers"),
+    ("--metadata-path", {}, "blendmatch keeps no pins or quotas"),
+    ("--disable-metrics", {"action": "store_true"}, "blendmatch serves Prometheus metrics at /metrics"),
+    ("--otlp-endpoint", {}, "blendmatch serves Prometheus metrics at /metrics (no OTLP push)"),
+    ("--event-transport", {"choices": ("http", "kafka")}, "blendmatch takes cache events on POST /events"),
+    ("--kafka-bootstrap-servers", {}, "blendmatch takes cache events on POST /events"),
+    ("--kafka-topic", {}, "blendmatch takes cache events on POST /events"),
+    ("--kafka-group-id", {}, "blendmatch takes cache events on POST /events"),
+)
+
+
+def _add_lmcache_only_flags(p: argparse.ArgumentParser) -> None:
+    """Accept every LMCache coordinator flag this build gives no meaning. A flag that some
+    other part of blendmatch already defines (with a meaning) is left to that definition."""
+    for flag, kwargs, why in LMCACHE_IGNORED_FLAGS:
+        try:
+            p.add_argument(flag, default=None, help=f"accepted for LMCache compatibility and ignored: {why}",
+                           **kwargs)
+        except argparse.ArgumentError:
+            continue  # defined elsewhere, with a meaning
+
+
+def ignored_flag_warnings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """One line per LMCache-only flag given on the command line (see LMCACHE_IGNORED_FLAGS)."""
+    out = []
+    for flag, _, why in LMCACHE_IGNORED_FLAGS:
+        action = parser._option_string_actions.get(flag)  # noqa: SLF001 - argparse's one index of flags
+        if action is None or not action.help or not action.help.startswith("accepted for LMCache"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value not in (None, False):
+            out.append(f"{flag} is accepted for LMCache compatibility and ignored: {why}")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP service", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_flags(serve)
+    _add_lmcache_only_flags(serve)  # last: a flag defined with a meaning elsewhere wins
     sub.add_parser("bench", help="core benchmark (blendmatch bench --help)", add_help=False)
     sub.add_parser("loadtest", help="HTTP load test (blendmatch loadtest --help)", add_help=False)
     sub.add_parser("openapi", help="print the OpenAPI schema (JSON)")
@@ -89,6 +147,8 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         max_batch_wait_ms=args.max_batch_wait_ms, max_request_tokens=args.max_request_tokens,
         max_body_bytes=args.max_body_bytes, engine_threads=args.engine_threads, log_level=args.log_level,
         gc_freeze_ingest_bytes=GC_FREEZE_INGEST_BYTES,
+        health_check_interval=args.health_check_interval, instance_timeout=args.instance_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
     )
 
 
@@ -96,6 +156,7 @@ def _serve(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="blendmatch serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_flags(parser)
+    _add_lmcache_only_flags(parser)  # last: a flag defined with a meaning elsewhere wins
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
@@ -104,6 +165,8 @@ def _serve(argv: Sequence[str]) -> int:
                              for e in exc.errors())
         parser.error(problems)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in ignored_flag_warnings(args, parser):
+        logging.getLogger("blendmatch.service.cli").warning("%s", line)
 
     import uvicorn
 
@@ -120,7 +183,9 @@ def _serve(argv: Sequence[str]) -> int:
     # (measured against 0.5 ms: 10-15% more lookups/s under the load test).
     sys.setswitchinterval(float(os.environ.get("BLENDMATCH_SWITCH_INTERVAL_S", "0.0001")))
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=args.access_log,
-                proxy_headers=False, timeout_graceful_shutdown=10)
+                proxy_headers=False, timeout_graceful_shutdown=10,
+                timeout_keep_alive=int(config.timeout_keep_alive) if config.timeout_keep_alive.is_integer()
+                else config.timeout_keep_alive)
     return 0
 
 

@@ -12,7 +12,7 @@ Errors (``BlendClientError`` tree)::
     └── BlendConnectionError  no answer (connection refused, timeout, ...)
 
 :func:`resolve_overlaps` turns a lookup's matches (which may overlap: the server reports
-every verified chunk, at most one per chunk hash) into a set a caller can scatter.
+at most one chunk per query position and one per chunk hash) into a set a caller can scatter.
 """
 
 from __future__ import annotations

@@ -66,6 +66,15 @@ class ServiceConfig(BaseModel):
     engine_threads: int | None = Field(default=None, ge=1,
                                        description="CPU engine threads; None: one less than the CPUs (min 1)")
     log_level: LogLevel = "info"
+    health_check_interval: float = Field(
+        default=10.0, ge=0.0,
+        description="seconds between registry sweeps that expire silent instances; 0 disables the reaper")
+    instance_timeout: float = Field(
+        default=30.0, gt=0.0, description="seconds without a heartbeat after which an instance expires")
+    timeout_keep_alive: float = Field(
+        default=10.0, gt=0.0,
+        description="seconds an idle HTTP connection stays open; must exceed the servers' heartbeat interval "
+                    "(LMCache: 5 s), or heartbeats race the server closing the connection")
     gc_freeze_ingest_bytes: int = Field(
         default=0, ge=0,
         description="after this many bytes of POST /events bodies, move the live objects into the "

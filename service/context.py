@@ -24,6 +24,8 @@ Threads (why three):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import gc
 import logging
 import time
@@ -34,6 +36,7 @@ import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.tokens import TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count, decode_b64_many
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
@@ -126,6 +129,8 @@ class ServiceContext:
             thread_initializer=lambda: _init_lookup_thread(config.effective_engine_threads),
             name="lookup",
         )
+        self.registry = InstanceRegistry(config.instance_timeout)
+        self._reaper: asyncio.Task[None] | None = None
         self._events_executor: ThreadPoolExecutor | None = None
         self._events_pending = 0
         self._ingested_since_freeze = 0
@@ -148,6 +153,8 @@ class ServiceContext:
         index = self.directory.blend_index
         if index is not None:  # on the lookup thread: the first batch pays no compilation or page-in
             await asyncio.get_running_loop().run_in_executor(self.lookups.executor, index.warm_up)
+        if self.config.health_check_interval > 0:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="blendmatch-reaper")
         eng = self.engine_info()
         log.info("blendmatch serving: engine %s (%s); chunk_size %d, probe_stride %d, max_batch_tokens %d, "
                  "max_batch_wait_ms %g, max_request_tokens %d, engine_threads %d", eng["name"], eng["reason"],
@@ -155,6 +162,11 @@ class ServiceContext:
                  self.config.max_batch_wait_ms, self.config.max_request_tokens, self.config.effective_engine_threads)
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
         await self.lookups.stop()
         if self._events_executor is not None:
             self._events_executor.shutdown(wait=True, cancel_futures=True)
@@ -224,6 +236,34 @@ class ServiceContext:
         finally:
             self._events_pending -= 1
 
+    # ------------------------------------------------------------------ registry
+    async def reap_once(self) -> list[str]:
+        """One reaper sweep: expire instances silent for more than ``instance_timeout`` and,
+        on the events thread (in order with event batches), fence their private L1
+        placements and drop their event cursors (their declared capacity is kept, as in
+        LMCache; ``DELETE /instances/{id}`` forgets it). Logged and counted."""
+        expired = self.registry.expire()
+        for instance_id in expired:
+            result = await self.run_event_task(functools.partial(self.directory.drop_instance, instance_id,
+                                                                   forget_capacity=False))
+            self.metrics.instance_events.labels("expired").inc()
+            log.warning("expired instance %s: fenced %d L1 placements (%d keys dropped)", instance_id,
+                        result.placements, result.keys)
+        return expired
+
+    async def _reap_forever(self) -> None:
+        """The reaper task (started in the lifespan when ``health_check_interval > 0``). A
+        failed sweep is logged and retried on the next tick; it never ends the task."""
+        interval = self.config.health_check_interval
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.reap_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the next sweep retries
+                log.exception("registry sweep failed; retrying in %g s", interval)
+
     def note_ingested(self, nbytes: int) -> None:
         """Count event-body bytes; past ``config.gc_freeze_ingest_bytes``, ``gc.freeze()``.
 
@@ -258,6 +298,7 @@ class ServiceContext:
             "num_bindings": stats.get("token_bindings"),
             "queue_depth": self.lookups.queue_depth,
             "events_queue_depth": self._events_pending,
+            "instances_registered": len(self.registry),
         }
         for key in ("num_contents", "num_chunks", "num_claims", "num_namespaces", "memory_bytes", "table_size",
                     "engine_failovers"):
@@ -270,7 +311,10 @@ class ServiceContext:
     def stats(self) -> dict[str, Any]:
         """``GET /directory/stats``: directory counts, ``blend`` (index stats), ``engine``, ``batcher``."""
         stats = dict(self.directory.stats())
-        stats["blend"] = stats.pop("blend_index", None) or {}
+        # LMCache's blend fields are always there (zeros while blend lookup is off)
+        stats["blend"] = stats.pop("blend_index", None) or {
+            "num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0}
+        stats["registry"] = self.registry.counters()
         stats["engine"] = self.engine_info()
         stats["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
                             "max_batch_tokens": self.config.max_batch_tokens,

@@ -59,6 +59,12 @@ class LimitExceeded(RequestRejected):
     status_code = 413
 
 
+class NotSupported(ServiceError):
+    """A valid request for something blendmatch does not do (501; the detail says why)."""
+
+    status_code = 501
+
+
 class ServiceUnavailable(ServiceError):
     """The service cannot answer now (batcher stopped or not started); retry later (503)."""
 

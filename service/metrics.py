@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from blendmatch.index.key_directory import NOT_INDEXABLE_REASONS
+
 from .batcher import BatchRecord
 
 __all__ = ["ServiceMetrics", "CONTENT_TYPE"]
@@ -63,6 +65,7 @@ class _ScrapeCollector(Collector):
             "directory_bindings": ("chunk-hash token bindings", "num_bindings"),
             "lookup_queue_depth": ("lookups waiting for a batch", "queue_depth"),
             "events_queue_depth": ("event requests waiting for the event thread", "events_queue_depth"),
+            "instances_registered": ("MP server instances in the registry", "instances_registered"),
         }
         for name, (doc, key) in gauges.items():
             value = snap.get(key)
@@ -125,6 +128,14 @@ class ServiceMetrics:
         self.event_seconds = Histogram(
             "blendmatch_event_apply_seconds", "time to apply one POST /events body",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.event_entries = Counter(
+            "blendmatch_event_entries_applied", "entries of applied cache-event batches", registry=r)
+        self.not_indexable = Counter(
+            "blendmatch_event_entries_not_indexable",
+            "applied STORE entries that fed nothing to the blend index, by reason", ["reason"], registry=r)
+        self.instance_events = Counter(
+            "blendmatch_instance_events", "instance registry events (registered, re_registered, heartbeat, "
+            "unknown_heartbeat, deregistered, expired)", ["event"], registry=r)
         self.rejected = Counter(
             "blendmatch_http_rejected", "requests answered with a 4xx", ["status"], registry=r)
         self.internal_errors = Counter(
@@ -133,6 +144,10 @@ class ServiceMetrics:
             self.events.labels(label)
         for label in ("ok", "failed"):
             self.batches.labels(label)
+        for label in NOT_INDEXABLE_REASONS:
+            self.not_indexable.labels(label)
+        for label in ("registered", "re_registered", "heartbeat", "unknown_heartbeat", "deregistered", "expired"):
+            self.instance_events.labels(label)
         for label in ("dict_miss", "namespace", "tokens"):
             self.rejections.labels(label)
         if snapshot is not None:
@@ -166,7 +181,11 @@ class ServiceMetrics:
         self.rejections.labels("namespace").inc(getattr(stats, "ns_filtered", 0))
         self.rejections.labels("tokens").inc(getattr(stats, "token_rejections", 0))
 
-    def observe_events(self, applied: int, duplicates: int, stale: int, seconds: float) -> None:
+    def observe_events(self, applied: int, duplicates: int, stale: int, seconds: float, entries: int = 0,
+                       not_indexable: Mapping[str, int] | None = None) -> None:
+        self.event_entries.inc(entries)
+        for reason, n in (not_indexable or {}).items():
+            self.not_indexable.labels(reason).inc(n)
         self.events.labels("applied").inc(applied)
         self.events.labels("duplicate").inc(duplicates)
         self.events.labels("stale").inc(stale)

@@ -11,7 +11,10 @@ from fastapi import APIRouter, Query
 from blendmatch.index.key_directory import KeyDirectory, Placement
 from blendmatch.index.types import ObjectKey
 
+from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS, TokenLimitExceeded, check_token_count
+
 from .context import Ctx
+from .errors import NotSupported, RequestRejected
 from .routes_lookup import ERROR_RESPONSES
 from .schemas import DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, DirectoryStatsResponse
 
@@ -54,7 +57,18 @@ def _list(directory: KeyDirectory, tier: str | None, instance_id: str | None, ba
 
 @router.post("/directory/lookup", response_model=DirectoryLookupResponse, responses=ERROR_RESPONSES)
 async def lookup_keys(body: DirectoryLookupRequest, ctx: Ctx) -> dict[str, Any]:
-    """Placements and token ids of each key, in request order (LMCache's keys form)."""
+    """Placements and token ids of each key, in request order (LMCache's keys form).
+
+    The tokens form is validated as LMCache validates it (more than 1,000,000 token ids:
+    400) and then answered 501: resolving tokens to keys needs the fleet's token hasher."""
+    if body.token_ids:
+        try:
+            check_token_count(len(body.token_ids), DEFAULT_MAX_REQUEST_TOKENS, "token_ids")
+        except TokenLimitExceeded as exc:
+            raise RequestRejected(str(exc)) from None
+        raise NotSupported("the token_ids form of /directory/lookup needs the fleet's token hasher, which "
+                           "blendmatch does not have; send 'keys', use /directory/blend-lookup, or run with "
+                           "--upstream-coordinator")
     keys = [ObjectKey(bytes.fromhex(k.chunk_hash_hex), k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
             for k in body.keys]
     return await ctx.read(_lookup, ctx.directory, keys)

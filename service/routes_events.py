@@ -1,4 +1,5 @@
-"""Cache-event ingest (``POST /events``) and fencing (``DELETE /instances/{instance_id}``).
+"""Cache-event ingest (``POST /events``). (Instance deregistration and fencing is
+``routes_instances.py``.)
 
 ``POST /events`` takes LMCache's body ``{"batches": [...]}`` (the shape is documented in
 ``blendmatch.index.wire`` and in the OpenAPI schema as ``EventRequestModel``). The raw
@@ -19,11 +20,11 @@ import logging
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic_core import from_json
 
-from blendmatch.index.key_directory import ApplyCounts, KeyDirectory
+from blendmatch.index.key_directory import ApplyReport, KeyDirectory
 
 from .context import Ctx
 from .routes_lookup import ERROR_RESPONSES
@@ -39,7 +40,7 @@ router = APIRouter(tags=["events"])
 EVENT_REQUEST_SCHEMA_NAME = "EventRequestModel"
 
 
-def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyCounts:
+def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyReport:
     """Events thread: JSON-decode, validate whole, apply. Raises 422-mapped errors."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
@@ -48,7 +49,7 @@ def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyCounts:
     except ValueError as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": str(exc)}}]) from None
-    return directory.apply(payload)
+    return directory.apply_detailed(payload)
 
 
 @router.post(
@@ -59,20 +60,21 @@ def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyCounts:
         "schema": {"$ref": f"#/components/schemas/{EVENT_REQUEST_SCHEMA_NAME}"}}}}},
 )
 async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
-    """Apply a list of cache-event batches (LMCache's ``POST /events``)."""
+    """Apply a list of cache-event batches (LMCache's ``POST /events``).
+
+    The reply counts batches as LMCache does (``applied``, ``duplicates``, ``stale``) and adds
+    ours: ``entries_applied`` (entries of applied batches) and ``entries_not_indexable``
+    (applied STORE entries that fed nothing to the blend index, by reason). A malformed
+    request is a 422 naming the field, with nothing of it applied."""
     raw = await request.body()
     t0 = time.perf_counter()
-    counts = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw)
+    report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw)
     ctx.note_ingested(len(raw))
-    ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0)
-    return CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale)
+    counts = report.counts
+    ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,
+                               report.entries_applied, report.not_indexable)
+    return CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale,
+                               entries_applied=report.entries_applied,
+                               entries_not_indexable=report.not_indexable)
 
 
-@router.delete("/instances/{instance_id}", status_code=204, response_class=Response,
-               responses={422: ERROR_RESPONSES[422]})
-async def fence_instance(instance_id: str, ctx: Ctx) -> Response:
-    """The instance went away: drop its private L1 placements (its L2 and shared-pool
-    placements stay). Idempotent; 204 like LMCache's deregistration."""
-    result = await ctx.run_event_task(ctx.directory.fence_instance, instance_id)
-    log.info("fenced instance %s: %d placements, %d keys dropped", instance_id, result.placements, result.keys)
-    return Response(status_code=204)

@@ -82,7 +82,8 @@ async def answer_lookup_batch(ctx: ServiceContext, body: BlendBatchLookupRequest
 async def blend_lookup(body: BlendLookupRequest, ctx: Ctx) -> Response:
     """Which stored chunks does this token sequence contain, and where (for this namespace)?
 
-    Matches come in ascending ``cur_st``, at most one per chunk hash; they may overlap
+    Matches come in ascending ``cur_st``, at most one per position and one per chunk hash
+    (LMCache's per-position rule); they may overlap
     (``blendmatch.service.client.resolve_overlaps`` picks a non-overlapping set).
     """
     return Response(await answer_lookup(ctx, body), media_type="application/json")

@@ -3,7 +3,8 @@
 Lookups (``POST /directory/blend-lookup``, LMCache-compatible; ``.../batch`` is ours):
 request ``{tokens_b64 | token_ids, model_name, world_size=1, cache_salt=""}`` -> response
 ``{"matches": [{"chunk_hash": "<lowercase hex>", "old_st": int, "cur_st": int}]}`` in
-ascending ``cur_st`` (several chunks may share a ``cur_st``; matches may overlap, see
+ascending ``cur_st`` (at most one match per position and one per chunk hash: LMCache's
+per-position rule; matches may overlap, see
 ``blendmatch.service.client.resolve_overlaps``).
 
 Validation is strict (no coercion): ``"2"`` is not a world size, ``true`` is not a token id,
@@ -97,7 +98,8 @@ class BlendMatchModel(BaseModel):
 
 
 class BlendLookupResponse(BaseModel):
-    """Matches in ascending ``cur_st``, at most one per chunk hash; they may overlap."""
+    """Matches in ascending ``cur_st``, at most one per position and one per chunk hash
+    (LMCache's per-position rule); they may overlap."""
 
     matches: list[BlendMatchModel] = Field(default_factory=list)
 
@@ -118,11 +120,16 @@ class BlendBatchLookupResponse(BaseModel):
 
 
 class CacheEventsResponse(BaseModel):
-    """``POST /events``: batches applied, dropped as replays, dropped as stale incarnations."""
+    """``POST /events``: batches applied, dropped as replays, dropped as stale incarnations
+    (LMCache's three fields), plus ours: entries of applied batches, and applied STORE
+    entries that fed nothing to the blend index, by reason (``tokens_outside_uint32``,
+    ``wrong_length``, ``world_size_0``, ``token_offset_unknown``; absent reasons omitted)."""
 
     applied: int = 0
     duplicates: int = 0
     stale: int = 0
+    entries_applied: int = 0
+    entries_not_indexable: dict[str, int] = Field(default_factory=dict)
 
 
 class PlacementModel(BaseModel):
@@ -137,23 +144,31 @@ class PlacementModel(BaseModel):
 
 
 class DirectoryLookupRequest(BaseModel):
-    """Body of ``POST /directory/lookup``, the keys form: resolve these keys to placements.
+    """Body of ``POST /directory/lookup`` (LMCache's shape): exactly one of ``keys`` (resolve
+    these keys to placements) or ``token_ids`` (with ``model_name``; LMCache's tokens form).
 
-    LMCache's tokens form (``token_ids`` hashed with the fleet's token hasher) is not
-    supported: blendmatch has no token hasher. Send keys, or use a blend lookup.
+    Validation is LMCache's: both forms or neither is a 422 (an empty list counts as
+    absent); ``token_ids`` without ``model_name`` is a 422; ``world_size < 1`` is a 422.
+    The route answers more than 1,000,000 token ids with a 400. The tokens form needs the
+    fleet's token hasher (prefix-chained chunk hashes), which blendmatch does not have: a
+    valid tokens-form request is answered 501, or proxied with ``--upstream-coordinator``.
     """
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    keys: Annotated[list[ObjectKeyModel], Field(max_length=MAX_LOOKUP_KEYS)]
+    keys: Annotated[list[ObjectKeyModel], Field(default_factory=list, max_length=MAX_LOOKUP_KEYS)]
+    token_ids: list[StrictInt] = Field(default_factory=list)
+    model_name: str = ""
+    world_size: int = Field(default=1, ge=1)
+    cache_salt: str = ""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_tokens_form(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "keys" not in data and "token_ids" in data:
-            raise ValueError("the token_ids form of /directory/lookup is not supported (blendmatch has no "
-                             "token hasher); send 'keys', or use /directory/blend-lookup")
-        return data
+    @model_validator(mode="after")
+    def _one_form(self) -> "DirectoryLookupRequest":
+        if bool(self.keys) == bool(self.token_ids):
+            raise ValueError("supply exactly one of 'keys' or 'token_ids'")
+        if self.token_ids and not self.model_name:
+            raise ValueError("'model_name' is required with 'token_ids'")
+        return self
 
 
 class DirectoryKeyPlacements(BaseModel):
@@ -203,9 +218,19 @@ class DirectoryStatsResponse(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
+    # LMCache 0.5.6's DirectoryStats fields, same names and meaning
+    num_keys: int
+    num_placements: int
+    l1_keys_by_instance: dict[str, int]
+    l1_count: int
+    l1_size_bytes: int
+    l2_count: int
+    l2_size_bytes: int
+    blend: dict[str, Any] = Field(description="num_contents, num_chunks, num_claims, num_namespaces, table_size "
+                                              "(LMCache's), plus ours")
+    # ours
     keys: int
     placements: int
-    blend: dict[str, Any]
     engine: EngineInfo
     batcher: dict[str, Any]
 

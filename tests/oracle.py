@@ -109,10 +109,12 @@ class OracleIndex:
             entry = by_tokens.get(tuple(q[st:st + self.c]))
             if entry is None:
                 continue
+            # LMCache's per-position rule: the first claimed, unseen occupant, then move on
             for h, off, claims in entry[1]:
                 if ns in claims and h not in seen:
                     seen.add(h)
                     out.append(BlendMatch(h, off, st))
+                    break
         return out
 
     def counts(self) -> dict[str, int]:

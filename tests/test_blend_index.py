@@ -41,13 +41,27 @@ def test_namespaces_never_cross():
     assert idx.stats()["num_claims"] == 2 and idx.stats()["num_chunks"] == 1
 
 
-def test_one_match_per_chunk_ascending_cur_st_and_first_indexed_order():
-    idx = _idx()
+def test_per_position_rule_one_match_per_position_first_indexed_order(engine):
+    """LMCache 0.5.6's rule: ascending positions, one seen set per lookup; at each position
+    the first claimed, unseen, verified occupant, then the next position."""
+    idx = BlendIndex(chunk_size=4, engine=engine)
     idx.add([1, 2, 3, 4], b"x", 100, A)
     idx.add([1, 2, 3, 4], b"y", 200, A)  # same content under a second chunk hash
     idx.add([5, 6, 7, 8], b"z", 300, A)
     q = [0, 5, 6, 7, 8, 1, 2, 3, 4, 1, 2, 3, 4, 5, 6, 7, 8]
-    assert idx.match(q, A) == [BlendMatch(b"z", 300, 1), BlendMatch(b"x", 100, 5), BlendMatch(b"y", 200, 5)]
+    assert idx.match(q, A) == [BlendMatch(b"z", 300, 1), BlendMatch(b"x", 100, 5), BlendMatch(b"y", 200, 9)]
+    # C stored under A then B; query C..C -> A at the first copy, B at the second, nothing after
+    ccc = [1, 2, 3, 4] * 3
+    assert idx.match(ccc, A) == [BlendMatch(b"x", 100, 0), BlendMatch(b"y", 200, 4)]
+    # an occupant the caller does not claim is skipped, not consumed
+    idx.add([1, 2, 3, 4], b"w", 50, OTHER)
+    assert idx.match(ccc, OTHER) == [BlendMatch(b"w", 50, 0)]
+    # removed and re-added: it goes to the end of the occupant order
+    idx.remove_claim([1, 2, 3, 4], b"x", A)
+    idx.add([1, 2, 3, 4], b"x", 100, A)
+    assert idx.match(ccc, A) == [BlendMatch(b"y", 200, 0), BlendMatch(b"x", 100, 4)]
+    # the batch path answers the same, query by query (one seen set per query)
+    assert idx.match_batch([(ccc, A), (ccc, A), (ccc, OTHER)]) == [idx.match(ccc, A)] * 2 + [idx.match(ccc, OTHER)]
 
 
 def test_overlapping_windows_both_match():

@@ -123,3 +123,24 @@ def test_cpu_parallel_threshold_follows_thread_count(monkeypatch):
     assert cpu.CpuEngine(parallel_min_windows=7).parallel_min_windows == 7
     with pytest.raises(ValueError, match="parallel_min_windows"):
         cpu.CpuEngine(parallel_min_windows=-1)
+
+
+def test_per_position_rule_on_repeated_content_matches_the_oracle(engine, rng):
+    """LMCache's per-position rule through every engine: content stored under several
+    hashes, queried with several copies of it; answers equal the oracle's, bit for bit."""
+    from oracle import OracleIndex
+
+    c = 8
+    idx = BlendIndex(chunk_size=c, probe_stride=1, engine=engine)
+    oracle = OracleIndex(c)
+    chunks = rng.integers(0, 5, size=(4, c), dtype=np.uint32)
+    for i in range(12):  # 3 hashes per content
+        for target in (idx, oracle):
+            target.add(chunks[i % 4], b"h%d" % i, i, NS)
+    queries = [(np.concatenate([chunks[int(j)] for j in rng.integers(0, 4, size=9)]), NS) for _ in range(6)]
+    queries.append((np.tile(chunks[0], 5), NS))
+    got = idx.match_batch(queries)
+    assert got == [oracle.match(q, ns) for q, ns in queries]
+    assert [m.chunk_hash for m in got[-1]] == [b"h0", b"h4", b"h8"]  # then nothing: every hash seen
+    for matches in got:
+        assert len({m.cur_st for m in matches}) == len(matches) == len({m.chunk_hash for m in matches})

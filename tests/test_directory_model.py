@@ -102,7 +102,8 @@ class Naive:
         if not any(k[0] == h for k in self.records):
             self.content.pop(h, None)
 
-    def matches(self, query: list[int], ns: BlendNamespace) -> list[tuple[int, bytes, int]]:
+    def candidates(self, query: list[int], ns: BlendNamespace) -> list[dict[bytes, int]]:
+        """Per query position: the live chunk hashes (-> offset) whose content is that window."""
         live = {}
         for key in self.records:
             h, model, rank, _, salt = key
@@ -111,14 +112,26 @@ class Naive:
             tokens, offset = self.content[h]
             if len(tokens) == C and offset >= 0:
                 live[h] = (tokens, offset)
-        out, seen = [], set()
-        for p in range(0, len(query) - C + 1):
-            window = tuple(query[p:p + C])
-            for h, (tokens, offset) in live.items():
-                if h not in seen and tokens == window:
-                    seen.add(h)
-                    out.append((p, h, offset))
-        return sorted(out)
+        return [{h: off for h, (tokens, off) in live.items() if tokens == tuple(query[p:p + C])}
+                for p in range(0, len(query) - C + 1)]
+
+    def check_matches(self, query: list[int], ns: BlendNamespace, got: list[tuple[int, bytes, int]]) -> None:
+        """LMCache's per-position rule, without the model tracking occupant order: walking
+        positions in order, where some live candidate is not yet reported exactly one of them
+        is reported (with its offset), elsewhere none; no hash twice. (Which one, in
+        first-indexed order, is the index oracle's test: tests/test_index_property.py.)"""
+        by_pos = {p: (h, off) for p, h, off in got}
+        assert len(by_pos) == len(got), "two matches at one position"
+        seen: set[bytes] = set()
+        for p, cands in enumerate(self.candidates(query, ns)):
+            open_ = {h: off for h, off in cands.items() if h not in seen}
+            if not open_:
+                assert p not in by_pos, f"match at {p} without an unseen candidate"
+                continue
+            assert p in by_pos, f"no match at {p}, candidates {sorted(open_)}"
+            h, off = by_pos[p]
+            assert open_.get(h, -2) == off, f"at {p}: {h!r}/{off} not among {open_}"
+            seen.add(h)
 
 
 def _check(d: KeyDirectory, naive: Naive, rng: random.Random, pool: list[list[int]], step: int) -> None:
@@ -134,8 +147,11 @@ def _check(d: KeyDirectory, naive: Naive, rng: random.Random, pool: list[list[in
     got = d.blend_index.match_batch(batch)
     for (q, ns), res in zip(batch, got):
         assert [m.cur_st for m in res] == sorted(m.cur_st for m in res), "not ascending cur_st"
-        mine = sorted((m.cur_st, m.chunk_hash, m.old_st) for m in res)
-        assert mine == naive.matches(q, ns), f"step {step}: query {q} ns {ns}"
+        mine = [(m.cur_st, m.chunk_hash, m.old_st) for m in res]
+        try:
+            naive.check_matches(q, ns, mine)
+        except AssertionError as exc:
+            raise AssertionError(f"step {step}: query {q} ns {ns}: {exc}") from None
     # token bindings (catches an index row reused while a binding still holds it)
     hashes = sorted({k[0] for k in naive.records} | set(naive.content))
     for h, tokens in zip(hashes, d.get_token_ids(hashes)):

@@ -64,7 +64,7 @@ def test_minimal_request_and_defaults():
     assert isinstance(req, EventRequest) and len(req.batches) == 1
     b = req.batches[0]
     assert (b.instance_id, b.incarnation, b.seq, b.event_type, b.tier, b.backend) == ("a", 0, 1, "store", "l1", "cpu")
-    assert b.shared is False and b.ts == 0.0 and b.capacity_bytes is None
+    assert b.shared is False and b.ts == 0.0 and b.capacity_bytes == 0 and b.capacity_revision == 0
     (h, scope, size, offset), = b.entries.items
     assert h == b"\x00\xff" and size == 10 and offset == -1
     assert scope == KeyScope("m", pack_kv_rank(2, 1), 0, "", BlendNamespace("m", "", 2))
@@ -263,6 +263,26 @@ def test_config_batch_and_access_without_backend():
     assert req.batches[1].backend == ""
 
 
+def test_capacity_fields_are_accepted_on_every_batch_type():
+    """LMCache 0.5.6's serializer writes capacity_bytes=0, capacity_revision=0 on every batch."""
+    req = parse_event_request({"batches": [
+        _batch(capacity_bytes=0, capacity_revision=0),
+        _batch([], event_type="delete", seq=2, capacity_bytes=7, capacity_revision=3),
+        _batch([], event_type="access", backend="", seq=3, capacity_bytes=0, capacity_revision=0),
+    ]})
+    assert [b.capacity_bytes for b in req.batches] == [0, 7, 0]
+    assert [b.capacity_revision for b in req.batches] == [0, 3, 0]
+
+
+def test_size_bytes_is_optional_and_defaults_to_zero():
+    entry = _entry()
+    del entry["size_bytes"]
+    for kind in ("store", "delete", "access"):
+        b = parse_event_request({"batches": [_batch([entry, _entry()], event_type=kind,
+                                                    backend="" if kind == "access" else "cpu")]}).batches[0]
+        assert b.entries.sizes == [0, 10]
+
+
 def test_unknown_fields_are_ignored_for_forward_compatibility():
     batch = _batch([_entry(extra=1, key__future="x")], newer_field=[1, 2])
     assert len(parse_event_request({"batches": [batch], "meta": {}}).batches[0].entries) == 1
@@ -309,8 +329,9 @@ BAD_BATCHES = [
     (dict(ts=-1), "ts"),
     (dict(ts="now"), "ts"),
     (dict(ts=float("inf")), "ts"),
-    (dict(capacity_bytes=5), "capacity_bytes"),
-    (dict(capacity_revision=1), "capacity_revision"),
+    (dict(capacity_bytes=-1), "capacity_bytes"),
+    (dict(capacity_revision=-1), "capacity_revision"),
+    (dict(capacity_bytes=1.0), "capacity_bytes"),
     (dict(event_type="config", capacity_bytes=-1, entries=[]), "capacity_bytes"),
     (dict(event_type="config"), "entries"),
     (dict(entries={}), "entries"),
@@ -346,7 +367,6 @@ BAD_ENTRIES = [
     (dict(key__cache_salt="a\x00b"), "key.cache_salt"),
     (dict(key__cache_salt="s" * (MAX_CACHE_SALT_CHARS + 1)), "key.cache_salt"),
     (dict(key__cache_salt=None), "key.cache_salt"),
-    (dict(size_bytes=_DROP), "size_bytes"),
     (dict(size_bytes=-1), "size_bytes"),
     (dict(size_bytes=1.5), "size_bytes"),
     (dict(token_offset=-2), "token_offset"),

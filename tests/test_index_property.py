@@ -5,7 +5,7 @@ forced fingerprint collisions, on every engine."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from blendmatch.index import BlendIndex, BlendNamespace
@@ -48,6 +48,11 @@ def _run(idx: BlendIndex, oracle: OracleIndex, pool, ops, queries) -> None:
     ops=st.lists(op, max_size=40),
     n_queries=st.integers(0, 5),
 )
+# LMCache's per-position rule: content 0 (= content 1) under hashes 0, 1, 2 then queried
+# with repeated copies must give one hash per copy, in first-indexed order
+@example(c=3, stride=1, filter="tagged", seed=7, n_queries=5,
+         ops=[("add", 0, 0, 3, 0), ("add", 1, 1, 6, 0), ("add", 0, 2, 9, 0), ("remove_claim", 0, 0, 0, 0),
+              ("add", 0, 0, 3, 0)])
 def test_index_matches_oracle(engine, c, stride, filter, seed, ops, n_queries):
     rng = np.random.default_rng(seed)
     pool = [rng.integers(0, 3, size=c + (1 if i == 7 else 0), dtype=np.uint32) for i in range(8)]  # 7: wrong length

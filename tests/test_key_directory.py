@@ -313,7 +313,95 @@ def test_access_and_config_batches(d):
     stats = d.stats()
     assert stats["keys"] == 0 and stats["events"]["entries_accessed"] == 1
     assert stats["capacity"] == [{"instance_id": "a", "tier": "l1", "backend": "cpu",
-                                  "capacity_bytes": 1 << 30, "capacity_revision": 3}]
+                                  "capacity_bytes": 1 << 30, "capacity_revision": 3, "incarnation": 0,
+                                  "shared": False}]
+
+
+def _config(inst, seq, tier, backend, cap, rev, incarnation=0, shared=False):
+    return wire_batch(inst, seq, "config", [], tier=tier, backend=backend, capacity_bytes=cap,
+                      capacity_revision=rev, incarnation=incarnation, shared=shared)
+
+
+def _declared(d, inst="a"):
+    return sorted((r["tier"], r["backend"], r["capacity_bytes"]) for r in d.stats()["capacity"]
+                  if r["instance_id"] == inst)
+
+
+def test_capacity_declaration_newer_stamp_replaces_equal_extends_older_dropped(d):
+    d.apply({"batches": [_config("a", 1, "l1", "dram", 100, 1), _config("a", 2, "l2", "fs", 0, 1, shared=True)]})
+    assert _declared(d) == [("l1", "dram", 100), ("l2", "fs", 0)]  # equal stamp extends
+    d.apply({"batches": [_config("a", 3, "l1", "dram", 50, 2)]})
+    assert _declared(d) == [("l1", "dram", 50)]  # newer stamp: a fresh declaration, l2 retired
+    d.apply({"batches": [_config("a", 4, "l1", "cxl", 9, 1)]})
+    assert _declared(d) == [("l1", "dram", 50)]  # older revision: a straggler, dropped
+    d.apply({"batches": [_config("a", 1, "l1", "dram", 7, 0, incarnation=1)]})
+    assert _declared(d) == [("l1", "dram", 7)]  # a higher incarnation wins over any revision
+
+
+def test_capacity_fields_on_non_config_batches_mean_nothing(d, feed):
+    feed.store("a", E(1, X, offset=0), capacity_bytes=0, capacity_revision=0)
+    feed.delete("a", E(1), capacity_bytes=5, capacity_revision=9)
+    assert d.stats()["capacity"] == []
+
+
+def test_usage_joins_used_bytes_to_declared_capacity(d, feed):
+    d.apply({"batches": [_config("a", 1, "l1", "dram", 1000, 1), _config("a", 2, "l2", "fs", 4000, 1, shared=True),
+                         _config("b", 1, "l2", "fs", 4000, 1, shared=True)]})
+    feed.seq.update(a=2, b=1)
+    feed.store("a", E(1, size=100), E(2, size=150), backend="dram")
+    feed.store("a", E(1, size=120), backend="dram")  # the same copy again: replaced, not added
+    feed.store("b", E(3, size=400), tier="l2", backend="fs", shared=True)
+    st = d.stats()
+    assert (st["l1_count"], st["l1_size_bytes"], st["l2_count"], st["l2_size_bytes"]) == (2, 270, 1, 400)
+    usage = d.usage(registered=["a", "c"])
+    by_id = {i["instance_id"]: i for i in usage["instances"]}
+    assert set(by_id) == {"a", "b", "c"}
+    assert by_id["a"]["modules"] == [{"tier": "l1", "backend": "dram", "shared": False, "used_bytes": 270,
+                                      "capacity_bytes": 1000, "usage_ratio": 0.27}]
+    assert by_id["b"]["registered"] is False and by_id["b"]["declared_capacity"] is True
+    assert by_id["c"] == {"instance_id": "c", "registered": True, "declared_capacity": False, "modules": []}
+    assert usage["shared_modules"] == [{"tier": "l2", "backend": "fs", "shared": True, "used_bytes": 400,
+                                        "capacity_bytes": 4000, "usage_ratio": 0.1}]
+    feed.delete("a", E(2), backend="dram")
+    assert d.instance_usage("a", True)["modules"][0]["used_bytes"] == 120
+    before = (d.usage(["a"]), d.stats()["l1_size_bytes"], d.stats()["l2_count"])
+    d.rebuild_usage()  # the incremental ledger equals a walk of the placements
+    assert (d.usage(["a"]), d.stats()["l1_size_bytes"], d.stats()["l2_count"]) == before
+    assert d.instance_usage("zzz", False) is None
+    d.drop_instance("a")
+    st = d.stats()
+    assert (st["l1_count"], st["l1_size_bytes"]) == (0, 0)
+    assert d.instance_usage("a", False) is None  # capacity forgotten, bytes fenced
+
+
+def test_drop_instance_fences_and_forgets_the_cursor(d, feed):
+    feed.store("a", E(1, X, offset=0), incarnation=5)
+    feed.store("a", E(2, Y, offset=4), tier="l2", backend="fs", incarnation=5)
+    d.drop_instance("a")
+    assert d.stats()["instances"] == {}
+    assert hits(d, X) == [] and hits(d, Y) == [(H(2), 4, 0)]  # L1 fenced, L2 kept
+    # a reconnect starts fresh at any incarnation and seq (not stale, not a duplicate)
+    assert d.apply({"batches": [wire_batch("a", 1, "store", [E(1, X, offset=0)], incarnation=1)]}) == (1, 0, 0)
+
+
+def test_entry_counts_and_not_indexable_reasons(d, caplog):
+    entries = [E(1, X, offset=0), E(2, [1, 2, 3], offset=0), E(3, Y, offset=-1),
+               E(4, X, offset=0, kv_rank=pack_kv_rank(0, 0)), E(5)]
+    entries.append(wire_entry(H(6), "m", WS1, token_ids=[1, 2, 3, 1 << 33], token_offset=0))
+    with caplog.at_level(logging.WARNING, logger="blendmatch.index.key_directory"):
+        report = d.apply_detailed({"batches": [wire_batch("a", 1, "store", entries),
+                                               wire_batch("a", 1, "store", entries)]})
+        d.apply_detailed({"batches": [wire_batch("a", 2, "store", [E(7, [1], offset=0)])]})
+    assert report.counts == (1, 1, 0)
+    assert report.entries_applied == 6
+    assert report.not_indexable == {"tokens_outside_uint32": 1, "wrong_length": 1, "world_size_0": 1,
+                                    "token_offset_unknown": 1}
+    assert report.as_wire()["entries_not_indexable"] == report.not_indexable
+    assert d.stats()["events"]["entries_not_indexable"]["wrong_length"] == 2
+    assert sum("wrong_length" in r.getMessage() for r in caplog.records) == 1  # once per instance and reason
+    # offset -1 on content whose offset is known is indexable (never downgrades)
+    again = d.apply_detailed({"batches": [wire_batch("a", 3, "store", [E(1, X, offset=-1)])]})
+    assert again.not_indexable == {}
 
 
 # ----------------------------------------------------------------------------- placements
@@ -505,3 +593,13 @@ def test_concurrent_ingest_and_lookup():
     assert not errors
     stats = d.stats()
     assert stats["blend_index"]["num_chunks"] == stats["token_bindings"] == stats["keys"]
+
+
+def test_restore_sequence_lmcache_misses_is_indexed_here(d, feed):
+    """Deliberate difference (docs/lmcache.md): content first stored with offset -1, a second
+    key joining, then the first key re-stored at a real offset -> findable here."""
+    feed.store("a", E(1, X, offset=-1))
+    feed.store("a", E(1, kv_rank=pack_kv_rank(1, 0) | (1 << 16)))  # a second key of the same chunk hash
+    assert hits(d, X) == []
+    feed.store("a", E(1, X, offset=8))
+    assert hits(d, X) == [(H(1), 8, 0)]

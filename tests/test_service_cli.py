@@ -56,3 +56,49 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
 def test_openapi_subcommand_prints_the_schema(capsys):
     assert cli.main(["openapi"]) == 0
     assert '"openapi"' in capsys.readouterr().out
+
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "lmcache"
+
+
+def _lmcache_flags() -> list[str]:
+    """Every flag of LMCache 0.5.6's coordinator, from its own --help (committed fixture)."""
+    import re
+
+    usage = (FIXTURES / "coordinator_help.txt").read_text().split("options:")[0]
+    return sorted(set(re.findall(r"\[(--[a-z][a-z0-9-]+)", usage)))
+
+
+def _value_for(flag: str) -> list[str]:
+    values = {"--event-transport": "http", "--host": "127.0.0.1", "--port": "9300", "--chunk-size": "256",
+              "--blend-probe-stride": "1", "--kafka-topic": "t", "--kafka-bootstrap-servers": "k:9092",
+              "--kafka-group-id": "g", "--checkpoint-path": "/tmp/x", "--extra-config": "{}",
+              "--metadata-path": "/tmp/m", "--otlp-endpoint": "http://o:4317", "--hash-algorithm": "blake3"}
+    if flag in ("--enable-blend-lookup", "--disable-metrics"):
+        return [flag]
+    return [flag, values.get(flag, "1")]
+
+
+def test_every_lmcache_coordinator_flag_is_accepted(monkeypatch):
+    flags = _lmcache_flags()
+    assert len(flags) == 22  # the fixture really lists LMCache's flags
+    parser = cli.argparse.ArgumentParser()
+    cli._add_serve_flags(parser)
+    cli._add_lmcache_only_flags(parser)
+    argv = [a for f in flags for a in _value_for(f)]
+    args = parser.parse_args(argv)
+    cfg = cli.config_from_args(args)
+    assert (cfg.health_check_interval, cfg.instance_timeout, cfg.timeout_keep_alive) == (1.0, 1.0, 1.0)
+    warnings = cli.ignored_flag_warnings(args, parser)
+    meaningful = {"--host", "--port", "--chunk-size", "--blend-probe-stride", "--enable-blend-lookup",
+                  "--health-check-interval", "--instance-timeout", "--timeout-keep-alive"}
+    assert sorted(w.split()[0] for w in warnings) == sorted(set(flags) - meaningful)
+    assert all("accepted for LMCache compatibility and ignored" in w for w in warnings)
+    assert cli.ignored_flag_warnings(parser.parse_args([]), parser) == []
+
+
+def test_lmcache_registry_defaults():
+    parser = cli.argparse.ArgumentParser()
+    cli._add_serve_flags(parser)
+    cfg = cli.config_from_args(parser.parse_args([]))
+    assert (cfg.health_check_interval, cfg.instance_timeout, cfg.timeout_keep_alive) == (10.0, 30.0, 10.0)

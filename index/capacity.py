@@ -1,0 +1,139 @@
+"""Declared capacity and used bytes: the two halves of LMCache's ``/instances/usage``.
+
+Question answered: "how much may each instance's memory compartment hold, and how much
+does it hold now?" Cache events report bytes held, never bytes holdable, so servers declare
+capacity on ``config`` batches; the directory keeps the used bytes from its placements.
+
+:class:`CapacityDeclarations` (LMCache 0.5.6's ``ServerConfigRegistry`` rule): one
+declaration is one ``config`` batch per compartment ``(tier, backend)``, all sharing an
+``(incarnation, capacity_revision)`` stamp. Per instance, a *newer* stamp starts a fresh
+declaration (a compartment it omits stops being reported), an *equal* stamp extends it, an
+*older* one is a straggler and is dropped. Capacity 0 means "no limit declared"
+(:data:`UNDECLARED_CAPACITY`): its usage ratio is ``None``, never a division by zero.
+
+:class:`UsageLedger`: running totals of placement bytes per ``(owner, tier, backend)``
+(owner ``""`` is a shared pool) and count and bytes per tier, kept incrementally by the
+directory so that stats and a metrics scrape cost O(1), not a walk of the keys.
+
+Neither class locks: the directory calls them with its own lock held. ``snapshot()`` /
+``restore()`` are plain JSON-able data for checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, NamedTuple, Optional
+
+__all__ = ["UNDECLARED_CAPACITY", "CapacityDeclarations", "Compartment", "UsageLedger", "usage_ratio"]
+
+#: "No cap declared": real caps are positive, so an unlimited backend declaring 0 must not
+#: read as permanently full.
+UNDECLARED_CAPACITY = 0
+
+
+class Compartment(NamedTuple):
+    """One declared memory compartment of an instance."""
+
+    tier: str
+    backend: str
+    capacity_bytes: int
+    shared: bool
+
+
+def usage_ratio(used_bytes: int, capacity_bytes: int) -> Optional[float]:
+    """``used / capacity``, or None when no capacity was declared (not clamped: above 1.0
+    means the declared cap disagrees with what the tier admitted)."""
+    return used_bytes / capacity_bytes if capacity_bytes > UNDECLARED_CAPACITY else None
+
+
+class CapacityDeclarations:
+    """Each instance's newest capacity declaration (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._by_instance: dict[str, dict[tuple[str, str], Compartment]] = {}
+        self._stamps: dict[str, tuple[int, int]] = {}
+
+    def consume(self, instance_id: str, incarnation: int, revision: int, tier: str, backend: str,
+                capacity_bytes: int, shared: bool) -> bool:
+        """Apply one admitted config batch; returns False when it was an older straggler."""
+        stamp = (incarnation, revision)
+        stored = self._stamps.get(instance_id, (-1, -1))
+        if stamp < stored:
+            return False
+        if stamp > stored:
+            self._by_instance[instance_id] = {}
+            self._stamps[instance_id] = stamp
+        self._by_instance[instance_id][(tier, backend)] = Compartment(tier, backend, capacity_bytes, shared)
+        return True
+
+    def forget(self, instance_id: str) -> None:
+        """Drop an instance's declaration (it deregistered or expired). Idempotent."""
+        self._by_instance.pop(instance_id, None)
+        self._stamps.pop(instance_id, None)
+
+    def get(self, instance_id: str) -> tuple[Compartment, ...]:
+        return tuple(self._by_instance.get(instance_id, {}).values())
+
+    def stamp(self, instance_id: str) -> Optional[tuple[int, int]]:
+        return self._stamps.get(instance_id)
+
+    def instances(self) -> list[str]:
+        return list(self._by_instance)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every declared compartment, for ``/directory/stats``."""
+        return [{"instance_id": inst, "tier": c.tier, "backend": c.backend, "capacity_bytes": c.capacity_bytes,
+                 "capacity_revision": self._stamps[inst][1], "incarnation": self._stamps[inst][0],
+                 "shared": c.shared}
+                for inst, comps in self._by_instance.items() for c in comps.values()]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain JSON-able state (stamps travel with the modules, so a restored registry
+        still drops stragglers from before the snapshot)."""
+        return {"declarations": [
+            {"instance_id": inst, "incarnation": inc, "revision": rev,
+             "modules": [list(c) for c in self._by_instance.get(inst, {}).values()]}
+            for inst, (inc, rev) in self._stamps.items()]}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Replace everything with a :meth:`snapshot` value."""
+        self._by_instance.clear()
+        self._stamps.clear()
+        for d in state.get("declarations", ()):
+            inst = str(d["instance_id"])
+            self._stamps[inst] = (int(d["incarnation"]), int(d["revision"]))
+            self._by_instance[inst] = {(str(t), str(b)): Compartment(str(t), str(b), int(c), bool(s))
+                                       for t, b, c, s in d.get("modules", ())}
+
+
+class UsageLedger:
+    """Bytes held per ``(owner, tier, backend)`` and count/bytes per tier (running totals)."""
+
+    def __init__(self) -> None:
+        self.by_owner: dict[tuple[str, str, str], int] = {}
+        self.tier_count: dict[str, int] = {"l1": 0, "l2": 0}
+        self.tier_bytes: dict[str, int] = {"l1": 0, "l2": 0}
+
+    def add(self, owner: str, tier: str, backend: str, count: int, delta_bytes: int) -> None:
+        """``count`` placements appeared (negative: went) and bytes changed by ``delta_bytes``."""
+        if count:
+            self.tier_count[tier] = self.tier_count.get(tier, 0) + count
+        if delta_bytes:
+            self.tier_bytes[tier] = self.tier_bytes.get(tier, 0) + delta_bytes
+            ident = (owner, tier, backend)
+            total = self.by_owner.get(ident, 0) + delta_bytes
+            if total > 0:
+                self.by_owner[ident] = total
+            else:
+                self.by_owner.pop(ident, None)
+
+    def remove_placements(self, placements: Iterable[Any]) -> None:
+        """Placements (``Placement`` tuples) that went away."""
+        for p in placements:
+            self.add(p.instance_id, p.tier, p.backend, -1, -p.size_bytes)
+
+    def owners(self) -> dict[str, dict[tuple[str, str], int]]:
+        """``owner -> (tier, backend) -> bytes``; shared pools under ``""``."""
+        out: dict[str, dict[tuple[str, str], int]] = {}
+        for (owner, tier, backend), n in self.by_owner.items():
+            out.setdefault(owner, {})[(tier, backend)] = n
+        return out

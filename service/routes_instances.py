@@ -1,0 +1,159 @@
+"""The instance registry over HTTP, as LMCache 0.5.6's coordinator serves it.
+
+``POST /instances`` (register; a blank id gets a generated one), ``PUT
+/instances/{id}/heartbeat`` (404 ``{"error": "unknown instance <id>; re-register"}`` makes
+LMCache's ``keep_registered`` re-register), ``GET /instances``, ``DELETE /instances/{id}``
+(204, idempotent: fences the instance's private L1 placements, forgets its event cursor and
+its declared capacity), ``GET /instances/usage`` and ``GET /instances/{id}/usage`` (used
+bytes joined to declared capacity). The registry itself is ``blendmatch.index.registry``;
+the reaper that expires silent instances is ``ServiceContext.reap_once``.
+
+Registry calls do not touch the directory lock except deregistration, which runs on the
+events thread so that it is ordered with the instance's event batches.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from .context import Ctx
+from .routes_lookup import ERROR_RESPONSES
+
+__all__ = ["router", "RegisterRequest", "RegisterResponse", "HeartbeatResponse"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["instances"])
+
+
+class RegisterRequest(BaseModel):
+    """Body of ``POST /instances`` (LMCache's ``RegisterRequest``; unknown fields ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    instance_id: Annotated[str, StringConstraints(strip_whitespace=True, max_length=256)] = Field(
+        default="", description="blank: the coordinator generates one and returns it")
+    ip: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=256)]
+    http_port: int = Field(ge=1, le=65535)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    p2p_advertised_url: Annotated[str, StringConstraints(strip_whitespace=True, max_length=2048)] = ""
+    mq_port: int = Field(default=0, ge=0, le=65535)
+
+
+class RegisterResponse(BaseModel):
+    instance_id: str
+    re_registered: bool
+
+
+class HeartbeatResponse(BaseModel):
+    instance_id: str
+
+
+class UnknownInstance(BaseModel):
+    """404 of a heartbeat (LMCache's body: the server re-registers on it)."""
+
+    error: str
+
+
+class InstanceInfo(BaseModel):
+    instance_id: str
+    ip: str
+    http_port: int
+    registration_time: float
+    metadata: dict[str, str] = Field(default_factory=dict)
+    p2p_advertised_url: str = ""
+    mq_port: int = 0
+
+
+class InstanceListResponse(BaseModel):
+    instances: list[InstanceInfo] = Field(default_factory=list)
+
+
+class ModuleMemoryStatus(BaseModel):
+    """One compartment: ``usage_ratio`` is ``used_bytes / capacity_bytes``, or null when no
+    capacity was declared (``capacity_bytes`` 0)."""
+
+    tier: str
+    backend: str
+    shared: bool
+    used_bytes: int
+    capacity_bytes: int
+    usage_ratio: float | None = None
+
+
+class InstanceMemoryStatus(BaseModel):
+    instance_id: str
+    registered: bool
+    declared_capacity: bool
+    modules: list[ModuleMemoryStatus] = Field(default_factory=list)
+
+
+class FleetMemoryResponse(BaseModel):
+    instances: list[InstanceMemoryStatus] = Field(default_factory=list)
+    shared_modules: list[ModuleMemoryStatus] = Field(default_factory=list)
+
+
+@router.post("/instances", response_model=RegisterResponse, responses={422: ERROR_RESPONSES[422]})
+async def register_instance(body: RegisterRequest, ctx: Ctx) -> dict[str, Any]:
+    """Register (or re-register) an MP server; counts as its first heartbeat."""
+    instance_id, again = ctx.registry.register(body.instance_id, body.ip, body.http_port, metadata=body.metadata,
+                                               p2p_advertised_url=body.p2p_advertised_url, mq_port=body.mq_port)
+    ctx.metrics.instance_events.labels("re_registered" if again else "registered").inc()
+    log.info("%s instance %s at %s:%d", "re-registered" if again else "registered", instance_id, body.ip,
+             body.http_port)
+    return {"instance_id": instance_id, "re_registered": again}
+
+
+@router.put("/instances/{instance_id}/heartbeat", response_model=HeartbeatResponse,
+            responses={404: {"model": UnknownInstance, "description": "unknown instance: re-register"}})
+async def heartbeat(instance_id: str, ctx: Ctx) -> Any:
+    """Record a heartbeat; 404 (LMCache's body) for an unknown instance."""
+    if ctx.registry.heartbeat(instance_id):
+        ctx.metrics.instance_events.labels("heartbeat").inc()
+        return {"instance_id": instance_id}
+    ctx.metrics.instance_events.labels("unknown_heartbeat").inc()
+    return JSONResponse(status_code=404, content={"error": f"unknown instance {instance_id}; re-register"})
+
+
+@router.get("/instances", response_model=InstanceListResponse)
+async def list_instances(ctx: Ctx) -> dict[str, Any]:
+    """Every registered MP server, in registration order."""
+    return {"instances": ctx.registry.list()}
+
+
+@router.delete("/instances/{instance_id}", status_code=204, response_class=Response,
+               responses={422: ERROR_RESPONSES[422]})
+async def deregister_instance(instance_id: str, ctx: Ctx) -> Response:
+    """Deregister: drop the instance's private L1 placements (its L2 and shared-pool ones
+    stay), its event cursor (a reconnect starts fresh) and its declared capacity.
+    Idempotent; 204 whether or not it was registered, as in LMCache."""
+    was = ctx.registry.remove(instance_id)
+    result = await ctx.run_event_task(functools.partial(ctx.directory.drop_instance, instance_id))
+    ctx.metrics.instance_events.labels("deregistered").inc()
+    log.info("deregistered instance %s (%s): fenced %d L1 placements, %d keys dropped", instance_id,
+             "was registered" if was else "was not registered", result.placements, result.keys)
+    return Response(status_code=204)
+
+
+@router.get("/instances/usage", response_model=FleetMemoryResponse)
+async def fleet_usage(ctx: Ctx) -> Any:
+    """Memory status of every MP server (registered, holding bytes, or having declared
+    capacity) and of the shared pools (counted once)."""
+    return await ctx.read(ctx.registry.usage, ctx.directory)
+
+
+@router.get("/instances/{instance_id}/usage", response_model=InstanceMemoryStatus,
+            responses={404: {"description": "unknown instance"}})
+async def instance_usage(instance_id: str, ctx: Ctx) -> Any:
+    """One MP server's memory status; 404 when it is not registered, holds no bytes and
+    declared nothing."""
+    got = await ctx.read(ctx.registry.usage, ctx.directory, instance_id)
+    if got is None:
+        return JSONResponse(status_code=404, content={"detail": f"unknown instance {instance_id!r}"})
+    return got
