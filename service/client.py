@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import logging
 import math
+import socket
 import threading
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 from urllib.parse import quote
@@ -45,7 +46,7 @@ import numpy as np
 
 from blendmatch.index.types import DEFAULT_CHUNK_SIZE, BlendMatch, BlendNamespace
 
-from .match_pool import PENDING, BatchUnsupported, MatchPool
+from .match_pool import PENDING, BatchUnsupported, MatchPool, as_namespace
 
 __all__ = [
     "PENDING",
@@ -83,6 +84,7 @@ LMCACHE_BLEND_TIMEOUT_S = 1.0
 DEFAULT_MAX_BATCH_TOKENS = 262_144
 
 _MAX_TOKEN_ID = 0xFFFFFFFF
+_NODELAY = (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class BlendClientError(Exception):
@@ -149,10 +151,11 @@ def _query_body(tokens: Any, namespace: BlendNamespace) -> dict[str, Any]:
             "world_size": namespace.world_size, "cache_salt": namespace.cache_salt}
 
 
-def _namespace(model_name: str | BlendNamespace, world_size: int, cache_salt: str) -> BlendNamespace:
-    if isinstance(model_name, BlendNamespace):
-        return model_name
-    return BlendNamespace(model_name, cache_salt, world_size)
+def _namespace(model_name: Any, world_size: int, cache_salt: str) -> BlendNamespace:
+    """A model name with the keyword arguments, or a namespace (ours or LMCache's) as it is."""
+    if isinstance(model_name, str):
+        return BlendNamespace(model_name, cache_salt, world_size)
+    return as_namespace(model_name)
 
 
 def _matches(payload: Mapping[str, Any]) -> list[BlendMatch]:
@@ -180,7 +183,7 @@ def _check(response: httpx.Response) -> httpx.Response:
 
 
 def _queries(queries: Sequence[tuple[Any, BlendNamespace]]) -> dict[str, Any]:
-    return {"queries": [_query_body(t, ns) for t, ns in queries]}
+    return {"queries": [_query_body(t, as_namespace(ns)) for t, ns in queries]}
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -251,8 +254,12 @@ class BlendClient:
         self._request_fn = request_fn
         limits = httpx.Limits(max_connections=max(100, 2 * match_concurrency),
                               max_keepalive_connections=max(20, match_concurrency + 4))
+        if transport is None and request_fn is None:
+            # TCP_NODELAY: a request's headers and body may leave in two writes; with Nagle on,
+            # the second waits for the server's delayed ACK (~40 ms per round trip on Linux).
+            transport = httpx.HTTPTransport(limits=limits, socket_options=[_NODELAY])
         self._http = None if request_fn is not None else httpx.Client(
-            base_url=base_url.rstrip("/"), transport=transport, timeout=timeout, limits=limits)
+            base_url=base_url.rstrip("/"), transport=transport, timeout=timeout)
         self._pool: MatchPool | None = None
         self._pool_lock = threading.Lock()
         self._closed = False

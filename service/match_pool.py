@@ -201,8 +201,9 @@ class MatchPool:
         try:
             self._submit(rid, tokens, namespace)
         except Exception as exc:  # unhashable id, tokens without a length, odd namespace...
-            self._warn.warn(("submit", type(exc).__name__), "blend match submit for %r failed, answering no "
-                            "matches: %s: %s", rid, type(exc).__name__, exc)
+            reason = _reason(exc)
+            self._warn.warn(("submit", reason), "blend match submit for %r failed, answering no matches: %s",
+                            rid, reason)
 
     def _submit(self, rid: Hashable, tokens: Any, namespace: Any) -> None:
         try:
