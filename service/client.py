@@ -44,7 +44,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
-from blendmatch.index.types import DEFAULT_CHUNK_SIZE, BlendMatch, BlendNamespace
+from blendmatch.index.types import BlendMatch, BlendNamespace
 
 from .match_pool import PENDING, BatchUnsupported, MatchPool, as_namespace
 
@@ -234,12 +234,12 @@ class BlendClient:
                  timeout: float = 30.0, request_fn: RequestFn | None = None,
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                  match_budget_s: float = DEFAULT_MATCH_BUDGET_S,
-                 match_concurrency: int = DEFAULT_MATCH_CONCURRENCY, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 match_concurrency: int = DEFAULT_MATCH_CONCURRENCY, chunk_size: int | None = None,
                  coalesce: bool = True, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
         if match_concurrency < 1:
             raise ValueError(f"match_concurrency must be >= 1, got {match_concurrency}")
         for name, value in (("timeout", timeout), ("request_timeout", request_timeout),
-                            ("match_budget_s", match_budget_s), ("chunk_size", chunk_size),
+                            ("match_budget_s", match_budget_s), ("chunk_size", 1 if chunk_size is None else chunk_size),
                             ("max_batch_tokens", max_batch_tokens)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -248,7 +248,11 @@ class BlendClient:
         self.match_budget_s = float(match_budget_s)
         self.request_timeout = float(request_timeout)
         self.match_concurrency = int(match_concurrency)
-        self.chunk_size = int(chunk_size)
+        #: The fleet's chunk size: shorter queries are answered ``[]`` without a round trip.
+        #: ``None``: learn it from the server's ``GET /directory/stats`` when the workers start,
+        #: and send every non-empty query until then (a wrong guess would lose matches: LMCache
+        #: calls ``maybe_create`` without a chunk size).
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.coalesce = bool(coalesce)
         self.max_batch_tokens = int(max_batch_tokens)
         self._request_fn = request_fn
@@ -355,10 +359,25 @@ class BlendClient:
             with self._pool_lock:
                 if self._pool is None and not self._closed:
                     self._pool = MatchPool(_ClientWire(self), workers=self.match_concurrency,
-                                           budget_s=self.match_budget_s, chunk_size=self.chunk_size,
+                                           budget_s=self.match_budget_s, chunk_size=self.chunk_size or 1,
                                            coalesce=self.coalesce, max_batch_tokens=self.max_batch_tokens)
+                    if self.chunk_size is None:
+                        threading.Thread(target=self._learn_chunk_size, args=(self._pool,),
+                                         name="blendmatch-chunk-size", daemon=True).start()
                 pool = self._pool
         return None if self._closed else pool
+
+    def _learn_chunk_size(self, pool: MatchPool) -> None:
+        """Ask the server its chunk size once (``blend.chunk_size`` of ``/directory/stats``);
+        on any failure keep sending every non-empty query (correct, only less frugal)."""
+        try:
+            size = self._call("GET", "/directory/stats", timeout=self.request_timeout)["blend"]["chunk_size"]
+        except Exception as exc:
+            logger.info("blend match client: the server's chunk size is unknown (%s: %s); every non-empty "
+                        "query is sent", type(exc).__name__, exc)
+            return
+        if isinstance(size, int) and size > 0:
+            self.chunk_size = pool.min_tokens = size
 
     def submit_match(self, request_id: Hashable, tokens: Sequence[int] | np.ndarray, namespace: Any) -> None:
         """Queue a match query for ``request_id``; returns at once; idempotent per id.

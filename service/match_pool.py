@@ -181,7 +181,10 @@ class MatchPool:
                  warn: WarnLimiter | None = None) -> None:
         if workers < 1:
             raise ValueError(f"match_concurrency must be >= 1, got {workers}")
-        self._wire, self._budget, self._chunk_size = wire, budget_s, chunk_size
+        self._wire, self._budget = wire, budget_s
+        #: Queries shorter than this resolve ``[]`` at submit (the chunk size; settable once
+        #: learned from the server).
+        self.min_tokens = chunk_size
         self._coalesce, self._max_tokens = coalesce, max_batch_tokens
         self._warn = warn or WarnLimiter()
         self._lock = threading.Lock()
@@ -197,7 +200,8 @@ class MatchPool:
 
     # ------------------------------------------------------------------ caller's path
     def submit(self, rid: Hashable, tokens: Any, namespace: Any) -> None:
-        """Queue a query for ``rid`` unless it has an entry. Returns at once; never raises."""
+        """Queue a query for ``rid`` unless it has an entry. Returns at once; never raises.
+        After :meth:`close` a submit is ignored (the id stays unknown)."""
         try:
             self._submit(rid, tokens, namespace)
         except Exception as exc:  # unhashable id, tokens without a length, odd namespace...
@@ -213,12 +217,12 @@ class MatchPool:
             raise
         entry = _Entry(rid, tokens, ns, time.monotonic() + self._budget, n)
         with self._lock:
-            if rid in self._entries:
+            if rid in self._entries or self._closed:
                 return
             self._entries[rid] = entry
             self._stats["submitted"] += 1
-            if n < self._chunk_size or self._closed:
-                self._stats["short"] += n < self._chunk_size
+            if n < self.min_tokens:
+                self._stats["short"] += 1
                 self._resolve_locked(entry, [])
                 return
             self._queue.append(entry)
@@ -279,7 +283,8 @@ class MatchPool:
         """Counters since start: submitted, short (answered without a round trip), requests
         (round trips), batch_requests, queries_sent, answered, failed, expired, discarded."""
         with self._lock:
-            return dict(self._stats, pending=len(self._queue), entries=len(self._entries))
+            return dict(self._stats, pending=len(self._queue), entries=len(self._entries),
+                        chunk_size=self.min_tokens)
 
     def alive_workers(self) -> int:
         return sum(t.is_alive() for t in self._threads)

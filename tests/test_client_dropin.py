@@ -374,6 +374,27 @@ def test_short_queries_are_answered_without_a_round_trip():
         client.close()
 
 
+def test_the_chunk_size_is_learned_from_the_server_when_not_given(app_url, rows):
+    with BlendClient.maybe_create(app_url, timeout=5.0) as client:  # as LMCache calls it: no chunk size
+        assert eventually(lambda: client.match_stats()["chunk_size"] == C) and client.chunk_size == C
+        client.submit_match("short", rows[0][:-1], MODEL)
+        assert client.poll_match("short") == [] and client.match_stats()["requests"] == 0
+
+    def no_stats(method, path, payload):
+        if method == "GET":
+            raise RuntimeError("an LMCache coordinator without blend stats")
+        return matches_of("m")
+
+    client = BlendClient(request_fn=no_stats)
+    try:
+        client.submit_match("tiny", [1, 2, 3], "m")  # unknown chunk size: sent, never guessed short
+        assert client.wait_match("tiny") == [BlendMatch(b"m", 0, 0)] and client.chunk_size is None
+        client.submit_match("empty", [], "m")
+        assert client.poll_match("empty") == []
+    finally:
+        client.close()
+
+
 def test_nothing_on_the_submit_and_poll_path_raises(caplog):
     client = BlendClient(request_fn=lambda *a: matches_of("m"), chunk_size=C)
     try:
