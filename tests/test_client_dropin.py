@@ -5,11 +5,14 @@ errors and malformed answers. Plus the request_fn hook and coalescing."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import threading
 import time
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -438,3 +441,12 @@ def test_warn_limiter_holds_back_identical_warnings(monkeypatch, caplog):
     limiter.warn("k", "down: %s", "x")
     assert warnings_of(caplog) == ["down: x", "different",
                                    "down: x (2 similar warnings in the last 10 s not logged)"]
+
+
+@pytest.mark.skipif(not os.environ.get("BLENDMATCH_LMCACHE_WHEEL"),
+                    reason="set BLENDMATCH_LMCACHE_WHEEL to an unzipped lmcache 0.5.6 wheel to compare with its client")
+def test_same_answers_and_sentinel_as_lmcaches_own_client():
+    script = Path(__file__).with_name("lmcache_dropin_check.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
