@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import httpx
 import numpy as np
@@ -120,7 +119,7 @@ def make_queries(rows: np.ndarray, n: int, tokens: int, matches: int, seed: int)
     for _ in range(n):
         q = rng.integers(60_000, 100_000, size=tokens, dtype=np.uint32)
         slots = rng.choice(tokens // c, size=matches, replace=False)
-        for slot, row in zip(slots, rng.choice(len(rows), size=matches, replace=False)):
+        for slot, row in zip(slots, rng.choice(len(rows), size=matches, replace=False), strict=True):
             q[slot * c:(slot + 1) * c] = rows[row]
         out.append(q.tolist())  # a list, as LMCache's MP server passes
     return out

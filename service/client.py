@@ -216,6 +216,21 @@ class _ClientWire:
         return _results(payload)
 
 
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _default_transport(match_concurrency: int) -> httpx.HTTPTransport:
+    """Keep-alive for every worker plus the blocking callers, and TCP_NODELAY: a request's
+    headers and body may leave in two writes, and with Nagle on the second waits for the
+    server's delayed ACK (~40 ms per round trip on Linux)."""
+    limits = httpx.Limits(max_connections=max(100, 2 * match_concurrency),
+                          max_keepalive_connections=max(20, match_concurrency + 4))
+    return httpx.HTTPTransport(limits=limits, socket_options=[_NODELAY])
+
+
 class BlendClient:
     """Synchronous client (thread-safe, keep-alive). Use as a context manager or ``close()``.
 
@@ -238,11 +253,8 @@ class BlendClient:
                  coalesce: bool = True, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
         if match_concurrency < 1:
             raise ValueError(f"match_concurrency must be >= 1, got {match_concurrency}")
-        for name, value in (("timeout", timeout), ("request_timeout", request_timeout),
-                            ("match_budget_s", match_budget_s), ("chunk_size", 1 if chunk_size is None else chunk_size),
-                            ("max_batch_tokens", max_batch_tokens)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        _check_positive(timeout=timeout, request_timeout=request_timeout, match_budget_s=match_budget_s,
+                        max_batch_tokens=max_batch_tokens, chunk_size=1 if chunk_size is None else chunk_size)
         #: Per-query wall-clock budget of the submit/poll path, queue wait included (LMCache's
         #: blend module reads this attribute to set its own poll deadline).
         self.match_budget_s = float(match_budget_s)
@@ -256,14 +268,9 @@ class BlendClient:
         self.coalesce = bool(coalesce)
         self.max_batch_tokens = int(max_batch_tokens)
         self._request_fn = request_fn
-        limits = httpx.Limits(max_connections=max(100, 2 * match_concurrency),
-                              max_keepalive_connections=max(20, match_concurrency + 4))
-        if transport is None and request_fn is None:
-            # TCP_NODELAY: a request's headers and body may leave in two writes; with Nagle on,
-            # the second waits for the server's delayed ACK (~40 ms per round trip on Linux).
-            transport = httpx.HTTPTransport(limits=limits, socket_options=[_NODELAY])
         self._http = None if request_fn is not None else httpx.Client(
-            base_url=base_url.rstrip("/"), transport=transport, timeout=timeout)
+            base_url=base_url.rstrip("/"), transport=transport or _default_transport(match_concurrency),
+            timeout=timeout)
         self._pool: MatchPool | None = None
         self._pool_lock = threading.Lock()
         self._closed = False

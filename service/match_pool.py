@@ -232,7 +232,7 @@ class MatchPool:
         entry = _Entry(rid, None, BlendNamespace(""), 0.0, 0, result)
         entry.done.set()
         with self._lock:
-            if rid not in self._entries:
+            if rid not in self._entries and not self._closed:
                 self._entries[rid] = entry
                 self._stats["submitted"] += 1
 
@@ -361,7 +361,7 @@ class MatchPool:
             except Exception as exc:
                 self._fail(sendable, "request", exc)
                 return
-        for entry, body in zip(sendable, bodies):
+        for entry, body in zip(sendable, bodies, strict=True):
             try:
                 self._count(requests=1, queries_sent=1)
                 self._deliver([entry], [self._wire.lookup_one(body)])
@@ -377,7 +377,7 @@ class MatchPool:
         if len(results) != len(entries):
             raise ValueError(f"the server answered {len(results)} results for {len(entries)} queries")
         with self._lock:
-            for entry, matches in zip(entries, results):
+            for entry, matches in zip(entries, results, strict=True):
                 if self._entries.get(entry.rid) is entry and entry.result is PENDING:
                     self._resolve_locked(entry, matches)
                     self._stats["answered"] += 1
