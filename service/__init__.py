@@ -19,6 +19,8 @@ _EXPORTS: dict[str, str] = {
     "AsyncBlendClient": "client",
     "BlendClient": "client",
     "BlendClientError": "client",
+    "BlendCoordinatorClient": "client",
+    "PENDING": "client",
     "ServiceConfig": "config",
     "create_app": "app",
     "resolve_overlaps": "client",
@@ -32,5 +34,5 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:
     from .app import create_app
-    from .client import AsyncBlendClient, BlendClient, BlendClientError, resolve_overlaps
+    from .client import PENDING, AsyncBlendClient, BlendClient, BlendClientError, BlendCoordinatorClient, resolve_overlaps
     from .config import ServiceConfig

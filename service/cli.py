@@ -1,4 +1,4 @@
-"""``blendmatch`` (and ``python -m blendmatch``): serve, bench, loadtest, openapi.
+"""``blendmatch`` (and ``python -m blendmatch``): serve, lookup, bench, loadtest, openapi.
 
 ``blendmatch serve`` accepts every LMCache 0.5.6 coordinator flag: those that overlap mean
 the same (``--host``, ``--port``, ``--chunk-size``, ``--blend-probe-stride``,
@@ -11,22 +11,84 @@ service exists for it); ``--enable-blend-lookup`` is accepted for compatibility 
 ``python -m blendmatch --port 9300`` works like LMCache's coordinator command line. It needs
 no configuration at all: ``blendmatch serve`` on a laptop without a GPU picks the CPU engine
 and says so in one start-up line.
+
+``blendmatch lookup`` sends one blend lookup from a token file and prints the matches; its
+exit status says what went wrong (``EXIT_*`` below, after the BSD ``sysexits.h`` codes).
+
+Help text is plain prose (the ``--help`` screens below), not this docstring: a terminal does
+not render reStructuredText.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
-from pydantic import ValidationError
+import numpy as np
 
-__all__ = ["main", "build_parser", "config_from_args"]
+from blendmatch import __version__
 
-_SUBCOMMANDS = ("serve", "bench", "loadtest", "openapi")
+__all__ = ["main", "build_parser", "config_from_args", "read_token_file", "EXIT_DATAERR", "EXIT_NOINPUT",
+           "EXIT_PROTOCOL", "EXIT_UNAVAILABLE"]
+
+_SUBCOMMANDS = ("serve", "lookup", "bench", "loadtest", "openapi")
+
+#: ``blendmatch lookup`` exit statuses (BSD sysexits.h; 2 stays argparse's usage error).
+EXIT_DATAERR = 65      # the token file is not a list of token ids
+EXIT_NOINPUT = 66      # the token file does not exist or cannot be read
+EXIT_UNAVAILABLE = 69  # no answer from the server (refused, unreachable, timed out)
+EXIT_PROTOCOL = 76     # the server answered with an error status or a malformed body
+
+_DESCRIPTION = """blendmatch: fragment lookups for LLM KV-cache reuse.
+
+Follows a vLLM + LMCache fleet's cache-event stream and answers CacheBlend-style
+blend lookups (which stored chunks does this request contain, and where?) over
+LMCache's coordinator HTTP contract. With no subcommand, the flags go to serve,
+as with LMCache's coordinator command line."""
+
+_EPILOG = """examples:
+  blendmatch serve                              listen on 0.0.0.0:9300, engine auto
+  blendmatch --port 9300 --chunk-size 256       LMCache-style: flags only means serve
+  blendmatch lookup --model MODEL tokens.json   one lookup against a running server
+  blendmatch serve --help                       every serve flag, its default and its
+                                                LMCache equivalent"""
+
+_SERVE_DESCRIPTION = """Run the blendmatch HTTP service: LMCache's coordinator wire shapes, port 9300.
+
+Flags shared with LMCache's coordinator (lmcache coordinator, python -m
+lmcache.v1.mp_coordinator) have the same names and meanings; the others are
+blendmatch's own. Blend lookup is on by default here (the service exists for
+it): --enable-blend-lookup is accepted for compatibility, --disable-blend-lookup
+turns it off. No configuration is needed: without a GPU the CPU engine is
+chosen, and the first log line says which engine runs and why."""
+
+_LOOKUP_DESCRIPTION = """Send one blend lookup to a running server and print the matches.
+
+FILE holds the query's token ids: a JSON list of integers, or a .npy file with a
+1-D integer array (use - to read JSON from standard input). The answer lists, for
+every stored chunk found in the query, where it starts in the query (cur_st),
+where it sat when it was stored (old_st) and its chunk hash, in ascending
+cur_st; matches may overlap."""
+
+_LOOKUP_EPILOG = f"""exit status:
+  0   the lookup was answered (with or without matches)
+  2   usage error (bad or missing flag)
+  {EXIT_DATAERR}  FILE is not a 1-D list of token ids in 0..2^32-1
+  {EXIT_NOINPUT}  FILE does not exist or cannot be read
+  {EXIT_UNAVAILABLE}  no answer from the server (refused, unreachable, timed out)
+  {EXIT_PROTOCOL}  the server answered with an error status or a malformed body"""
+
+
+def _help(text: str, lmcache: str | None = None, default: str = "%(default)s") -> str:
+    """A flag's help: what it does, its default, and its LMCache equivalent if there is one."""
+    where = f"; LMCache: {lmcache}" if lmcache else ""
+    return f"{text} (default: {default}{where})"
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -35,42 +97,52 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     from .config import ServiceConfig
 
     d = ServiceConfig.model_fields
-    p.add_argument("--host", default=d["host"].default, help="bind address (default %(default)s)")
-    p.add_argument("--port", type=int, default=d["port"].default, help="TCP port (default %(default)s)")
+    coord = "the coordinator's"
+    p.add_argument("--host", default=d["host"].default, help=_help("address to bind", f"{coord} --host"))
+    p.add_argument("--port", type=int, default=d["port"].default, help=_help("TCP port", f"{coord} --port"))
     p.add_argument("--chunk-size", type=int, default=d["chunk_size"].default,
-                   help="tokens per KV chunk; must equal the servers' --chunk-size (default %(default)s)")
+                   help=_help("tokens per KV chunk; must equal the MP servers' --chunk-size",
+                              f"{coord} --chunk-size"))
     p.add_argument("--blend-probe-stride", type=int, default=d["blend_probe_stride"].default,
-                   help="query positions between probes; 1 = full recall (default %(default)s)")
+                   help=_help("query positions between probes; 1 probes every position, for full recall",
+                              f"{coord} --blend-probe-stride"))
     g = p.add_mutually_exclusive_group()
     g.add_argument("--enable-blend-lookup", dest="enable_blend_lookup", action="store_true", default=True,
-                   help="index chunk content for blend lookups (the default; accepted for LMCache compatibility)")
+                   help=_help("index chunk content for blend lookups", f"{coord} --enable-blend-lookup, "
+                              "which is off by default there", default="on"))
     g.add_argument("--disable-blend-lookup", dest="enable_blend_lookup", action="store_false",
-                   help="do not index content; blend lookups answer no matches")
+                   help=_help("do not index content; blend lookups answer no matches",
+                              "the coordinator's default", default="off"))
     p.add_argument("--engine", choices=ENGINE_NAMES, default=d["engine"].default,
-                   help="probe engine: auto = GPU if a trial launch succeeds, else CPU (default %(default)s)")
+                   help=_help("probe engine: auto = the GPU if a trial launch succeeds, else the CPU"))
     p.add_argument("--max-batch-tokens", type=int, default=d["max_batch_tokens"].default,
-                   help="token budget of one engine batch; one request's size disables batching (default %(default)s)")
+                   help=_help("token budget of one engine batch; one request's size disables batching"))
     p.add_argument("--max-batch-wait-ms", type=float, default=d["max_batch_wait_ms"].default,
-                   help="wait up to this long for more lookups once one is queued; 0 = batch whatever is "
-                        "queued when the engine is free (default %(default)s)")
+                   help=_help("once a lookup is queued, wait up to this long for more; 0 = batch "
+                              "whatever is queued when the engine is free"))
     p.add_argument("--max-request-tokens", type=int, default=d["max_request_tokens"].default,
-                   help="most tokens one request may carry; more -> 413 (default %(default)s)")
+                   help=_help("most tokens one request may carry (a batch: the sum); more is a 413"))
     p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="largest request body; more -> 413 (default: 16 bytes per --max-request-tokens + 1 MiB)")
+                   help=_help("largest request body; more is a 413",
+                              default="16 bytes per --max-request-tokens token + 1 MiB"))
     p.add_argument("--engine-threads", type=int, default=None,
-                   help="threads of the CPU engine's parallel probe (default: CPUs - 1, at least 1: the event "
-                        "loop keeps a core)")
+                   help=_help("threads of the CPU engine's parallel probe",
+                              default="CPUs - 1, at least 1: the event loop keeps a core"))
     p.add_argument("--log-level", default=d["log_level"].default,
-                   choices=("critical", "error", "warning", "info", "debug"), help="(default %(default)s)")
-    p.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help=_help("log level", "the LMCACHE_LOG_LEVEL environment variable"))
+    p.add_argument("--access-log", action="store_true",
+                   help=_help("log every request (costs CPU at high request rates)", default="off"))
+
     p.add_argument("--health-check-interval", type=float, default=d["health_check_interval"].default,
-                   help="seconds between sweeps that expire silent instances; 0 disables (default %(default)s)")
+                   help=_help("seconds between sweeps that expire silent instances; 0 disables",
+                              f"{coord} --health-check-interval"))
     p.add_argument("--instance-timeout", type=float, default=d["instance_timeout"].default,
-                   help="seconds without a heartbeat after which an instance expires and its L1 placements "
-                        "are fenced (default %(default)s)")
+                   help=_help("seconds without a heartbeat after which an instance expires and its L1 "
+                              "placements are fenced", f"{coord} --instance-timeout"))
     p.add_argument("--timeout-keep-alive", type=float, default=d["timeout_keep_alive"].default,
-                   help="seconds idle HTTP connections stay open; keep it above the servers' heartbeat "
-                        "interval (LMCache: 5 s) (default %(default)s)")
+                   help=_help("seconds idle HTTP connections stay open; keep it above the servers' heartbeat "
+                              "interval (5 s)", f"{coord} --timeout-keep-alive"))
 
 
 #: LMCache 0.5.6 coordinator flags that mean nothing here: accepted (so that an existing
@@ -119,13 +191,50 @@ def ignored_flag_warnings(args: argparse.Namespace, parser: argparse.ArgumentPar
     return out
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_lookup_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help="token ids: a JSON list, a .npy array, or - for JSON on stdin")
+    p.add_argument("--url", default="http://127.0.0.1:9300",
+                   help=_help("server base URL (http:// is assumed without a scheme)",
+                              "the MP server's --coordinator-url or LMCACHE_COORDINATOR_URL"))
+    p.add_argument("--model", required=True,
+                   help="model name the KV was stored under (required; LMCache: the key's model_name)")
+    p.add_argument("--world-size", type=_positive_int, default=1,
+                   help=_help("parallel world size (TP x PP) of the requester",
+                              "the world size packed in the key's kv_rank"))
+    p.add_argument("--cache-salt", default="", help=_help("per-tenant isolation salt", "the request's cache_salt",
+                                                          default="none"))
+    p.add_argument("--timeout", type=_positive_float, default=10.0, help=_help("seconds to wait for the answer"))
+    p.add_argument("--json", action="store_true",
+                   help=_help("print the server's answer as JSON, {\"matches\": [...]}", default="a table"))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blendmatch", description="Fragment lookups for KV-cache reuse.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,loadtest,openapi}")
-    serve = sub.add_parser("serve", help="run the HTTP service", description=__doc__,
+    parser = argparse.ArgumentParser(prog="blendmatch", description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-V", "--version", action="version", version=f"blendmatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_SUBCOMMANDS) + "}")
+    serve = sub.add_parser("serve", help="run the HTTP service", description=_SERVE_DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_flags(serve)
     _add_lmcache_only_flags(serve)  # last: a flag defined with a meaning elsewhere wins
+    lookup = sub.add_parser("lookup", help="send one blend lookup from a token file and print the matches",
+                            description=_LOOKUP_DESCRIPTION, epilog=_LOOKUP_EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_lookup_flags(lookup)
     sub.add_parser("bench", help="core benchmark (blendmatch bench --help)", add_help=False)
     sub.add_parser("loadtest", help="HTTP load test (blendmatch loadtest --help)", add_help=False)
     sub.add_parser("openapi", help="print the OpenAPI schema (JSON)")
@@ -153,7 +262,9 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
 
 
 def _serve(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="blendmatch serve", description=__doc__,
+    from pydantic import ValidationError
+
+    parser = argparse.ArgumentParser(prog="blendmatch serve", description=_SERVE_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_flags(parser)
     _add_lmcache_only_flags(parser)  # last: a flag defined with a meaning elsewhere wins
@@ -189,14 +300,97 @@ def _serve(argv: Sequence[str]) -> int:
     return 0
 
 
+class TokenFileError(ValueError):
+    """A token file that exists but does not hold a 1-D list of token ids."""
+
+
+def read_token_file(path: str) -> np.ndarray:
+    """The token ids in ``path`` (JSON list, ``.npy`` 1-D integer array, ``-`` = JSON on stdin)
+    as uint32. Raises ``OSError`` when it cannot be read, :class:`TokenFileError` when its
+    content is not token ids (the message names what is wrong)."""
+    if path != "-" and path.endswith(".npy"):
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (ValueError, EOFError) as exc:  # not an .npy file, truncated, or object dtype
+            raise TokenFileError(f"not a readable .npy array: {exc}") from None
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise TokenFileError(f"expected a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+        values: Any = arr
+    else:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8", errors="strict")
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise TokenFileError(f"not JSON: {exc}") from None
+        if not isinstance(values, list):
+            raise TokenFileError(f"expected a JSON list of token ids, got a JSON {type(values).__name__}")
+        bad = next((v for v in values if type(v) is not int), None)
+        if bad is not None:
+            raise TokenFileError(f"token ids must be integers, got {bad!r}")
+    if len(values):
+        lo, hi = int(min(values)), int(max(values))
+        if lo < 0 or hi > 0xFFFFFFFF:
+            raise TokenFileError(f"token ids must be in 0..{0xFFFFFFFF}, got {lo if lo < 0 else hi}")
+    return np.asarray(values, dtype=np.uint32)
+
+
+def _fail(prog: str, code: int, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _lookup(argv: Sequence[str]) -> int:
+    prog = "blendmatch lookup"
+    parser = argparse.ArgumentParser(prog=prog, description=_LOOKUP_DESCRIPTION, epilog=_LOOKUP_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_lookup_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        tokens = read_token_file(args.file)
+    except TokenFileError as exc:
+        return _fail(prog, EXIT_DATAERR, f"{args.file}: {exc}")
+    except (OSError, UnicodeDecodeError) as exc:
+        return _fail(prog, EXIT_NOINPUT, f"cannot read {args.file}: {getattr(exc, 'strerror', None) or exc}")
+
+    from .client import BlendClient, BlendConnectionError, BlendHTTPError
+
+    url = args.url if "://" in args.url else f"http://{args.url}"
+    try:
+        with BlendClient(url, timeout=args.timeout) as client:
+            matches = client.lookup(tokens, args.model, world_size=args.world_size, cache_salt=args.cache_salt)
+    except BlendConnectionError as exc:
+        return _fail(prog, EXIT_UNAVAILABLE, f"no answer from {url}: {exc}")
+    except BlendHTTPError as exc:
+        return _fail(prog, EXIT_PROTOCOL, f"{url} refused the lookup: {exc}")
+    except (ValueError, KeyError, TypeError) as exc:  # a body that is not a blend-lookup answer
+        return _fail(prog, EXIT_PROTOCOL, f"{url} sent a malformed answer: {type(exc).__name__}: {exc}")
+    _print_matches(matches, len(tokens), as_json=args.json)
+    return 0
+
+
+def _print_matches(matches: Sequence[Any], n_tokens: int, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"matches": [{"chunk_hash": m.chunk_hash.hex(), "old_st": m.old_st, "cur_st": m.cur_st}
+                                      for m in matches]}))
+        return
+    noun = "match" if len(matches) == 1 else "matches"
+    print(f"{len(matches) or 'no'} {noun} in a query of {n_tokens} tokens")
+    if matches:
+        print(f"{'cur_st':>10} {'old_st':>10}  chunk_hash")
+        for m in matches:
+            print(f"{m.cur_st:>10} {m.old_st:>10}  {m.chunk_hash.hex()}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``blendmatch`` console script and ``python -m blendmatch``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version")):
         return _serve(argv)  # LMCache style: flags only
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return _serve(rest)
+    if command == "lookup":
+        return _lookup(rest)
     if command == "bench":
         from blendmatch.bench import engine as engine_bench  # bench is imported by nothing else
 
