@@ -32,8 +32,10 @@ def contents(seed: int) -> np.ndarray:
     return np.random.default_rng(seed + 10_000).integers(0, 40, size=(12, C), dtype=np.uint32)
 
 
-def workload(seed: int, n_batches: int = 120) -> list[dict[str, Any]]:
-    """``n_batches`` wire batches in emission order (per instance: increasing seq)."""
+def workload(seed: int, n_batches: int = 120, *, restarts: bool = True) -> list[dict[str, Any]]:
+    """``n_batches`` wire batches in emission order (per instance: increasing seq).
+    ``restarts=False``: one incarnation and no seq gaps, so every batch is admitted once
+    and a replayed one is exactly a duplicate."""
     rng = np.random.default_rng(seed)
     contents_ = contents(seed)
     seq = {i: 0 for i in INSTANCES}
@@ -42,10 +44,10 @@ def workload(seed: int, n_batches: int = 120) -> list[dict[str, Any]]:
     for _ in range(n_batches):
         inst = INSTANCES[int(rng.integers(len(INSTANCES)))]
         r = rng.random()
-        if r < 0.04:  # restart: new incarnation, seq starts over
+        if restarts and r < 0.04:  # restart: new incarnation, seq starts over
             inc[inst] += 1
             seq[inst] = 0
-        seq[inst] += 2 if rng.random() < 0.05 else 1  # an occasional gap
+        seq[inst] += 2 if restarts and rng.random() < 0.05 else 1  # an occasional gap
         kind = "store" if r < 0.6 else ("delete" if r < 0.9 else ("config" if r < 0.95 else "access"))
         tier = "l2" if rng.random() < 0.2 else "l1"
         shared = tier == "l2" and rng.random() < 0.5
