@@ -441,7 +441,10 @@ class BlendIndex:
             self._k.restore({k: got[f"k_{k}"] for k in ("ns", "next")}, k_size, got["k_free"].tolist())
             self._fpmap.restore(got["fp_keys"], got["fp_vals"], doc["fpmap"]["live"], doc["fpmap"]["tombstones"])
             self._o_hash = _split_hashes(blob, lengths)
-            self._hash_bytes = sum(sys.getsizeof(h) for h in self._o_hash if h is not None)
+            live_hashes = [h for h in self._o_hash if h is not None]
+            same = live_hashes and int(lengths.min()) == int(lengths.max())
+            self._hash_bytes = (len(live_hashes) * sys.getsizeof(live_hashes[0]) if same
+                                else sum(map(sys.getsizeof, live_hashes)))
             self._tokens.adopt(tokens)
             self._ns_ids = {}
             for nid, item in enumerate(doc["namespaces"]):

@@ -361,7 +361,7 @@ class TokenStore:
         """A buffer of whole blocks holding at least ``rows`` rows: fill its first ``rows``
         rows, then :meth:`adopt` it (a restore reads the file straight into the store)."""
         nblocks = max(1, -(-rows >> self.shift))
-        return np.empty((nblocks << self.shift, self.width), dtype=np.uint32)
+        return _alloc_block(nblocks << self.shift, self.width)  # pre-faulted: reads fill it at full speed
 
     def adopt(self, buffer: np.ndarray) -> None:
         """Replace every block by views of ``buffer`` (from :meth:`restore_buffer`)."""
