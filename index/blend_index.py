@@ -384,6 +384,96 @@ class BlendIndex:
         """The slot array (engines read it; do not mutate)."""
         return self._slots
 
+    # ------------------------------------------------------------------ checkpoints
+    def export_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Everything that decides an answer, as ``(doc, arrays)``: a JSON-able document and
+        raw buffers (views, not copies). Call with the owner's (directory's) lock held so no
+        write runs, or in a forked copy of the process (``checkpoint.py``). Occupant and
+        claim lists are exported as the linked columns they are, so first-indexed order
+        (LMCache's per-position rule) survives a restore exactly; so do the free lists, so
+        later adds reuse the same rows."""
+        c_cols, c_free = self._c.export()
+        o_cols, o_free = self._o.export()
+        k_cols, k_free = self._k.export()
+        hashes = self._o_hash
+        lengths = np.fromiter((-1 if h is None else len(h) for h in hashes), dtype=np.int32, count=len(hashes))
+        blob = b"".join(h for h in hashes if h is not None)
+        ns_list = [None] * len(self._ns_claims)
+        for ns, nid in self._ns_ids.items():
+            ns_list[nid] = [ns.model_name, ns.cache_salt, int(ns.world_size)]
+        doc = {"chunk_size": self.chunk_size, "probe_stride": self.probe_stride, "filter": self.filter,
+               "collisions": self._collisions, "rebuilds": self._rebuilds, "namespaces": ns_list,
+               "ns_claims": list(self._ns_claims), "sizes": {"c": self._c.size, "o": self._o.size, "k": self._k.size},
+               "fpmap": {"live": self._fpmap.live, "tombstones": self._fpmap.tombstones},
+               "slots": {"size": self._slots.size, "floor_size": self._slots.floor_size}}
+        arrays: dict[str, Any] = {f"c_{k}": v for k, v in c_cols.items()}
+        arrays.update({f"o_{k}": v for k, v in o_cols.items()})
+        arrays.update({f"k_{k}": v for k, v in k_cols.items()})
+        arrays.update({"c_free": np.asarray(c_free, dtype=np.int64), "o_free": np.asarray(o_free, dtype=np.int64),
+                       "k_free": np.asarray(k_free, dtype=np.int64), "fp_keys": self._fpmap.keys,
+                       "fp_vals": self._fpmap.vals, "o_hash_len": lengths,
+                       "o_hash_blob": np.frombuffer(blob, dtype=np.uint8),
+                       "tokens": self._tokens.export_parts(self._c.size)})
+        return doc, arrays
+
+    def restore_state(self, doc: dict[str, Any], read: Any) -> None:
+        """Replace this (empty) index's state by an :meth:`export_state` of an index with
+        the same chunk size, stride and filter. ``read(name, out=None) -> ndarray`` returns a
+        verified buffer (``out``: read into it). The slot array is rebuilt from the live
+        fingerprints at the saved size (a new generation: engines upload it whole); it may
+        then hold fewer stale shared slots than before, which changes no answer. Raises
+        ``ValueError`` when the parameters differ or the state is inconsistent."""
+        for name, mine in (("chunk_size", self.chunk_size), ("probe_stride", self.probe_stride),
+                           ("filter", self.filter)):
+            if doc[name] != mine:
+                raise ValueError(f"checkpoint has {name} {doc[name]!r}, this server {mine!r}")
+        sizes = doc["sizes"]
+        c_size, o_size, k_size = int(sizes["c"]), int(sizes["o"]), int(sizes["k"])
+        with self._lock:
+            if self._c.live or self._o.live:
+                raise ValueError("restore_state needs an empty index")
+            # read (and so verify) everything before changing anything
+            tokens = self._tokens.restore_buffer(c_size)
+            read("tokens", tokens)
+            got = {name: read(name) for name in ("c_fp", "c_occ", "c_free", "o_content", "o_next", "o_offset",
+                                                 "o_claim", "o_free", "k_ns", "k_next", "k_free", "fp_keys",
+                                                 "fp_vals", "o_hash_len", "o_hash_blob")}
+            lengths = got["o_hash_len"]
+            blob = got["o_hash_blob"].tobytes()
+            if lengths.shape[0] > o_size or int(lengths[lengths > 0].sum()) != len(blob):
+                raise ValueError("occupant chunk hashes do not match their lengths")
+            self._c.restore({k: got[f"c_{k}"] for k in ("fp", "occ")}, c_size, got["c_free"].tolist())
+            self._o.restore({k: got[f"o_{k}"] for k in ("content", "next", "offset", "claim")}, o_size,
+                            got["o_free"].tolist())
+            self._k.restore({k: got[f"k_{k}"] for k in ("ns", "next")}, k_size, got["k_free"].tolist())
+            self._fpmap.restore(got["fp_keys"], got["fp_vals"], doc["fpmap"]["live"], doc["fpmap"]["tombstones"])
+            self._o_hash = _split_hashes(blob, lengths)
+            live_hashes = [h for h in self._o_hash if h is not None]
+            same = live_hashes and int(lengths.min()) == int(lengths.max())
+            self._hash_bytes = (len(live_hashes) * sys.getsizeof(live_hashes[0]) if same
+                                else sum(map(sys.getsizeof, live_hashes)))
+            self._tokens.adopt(tokens)
+            self._ns_ids = {}
+            for nid, item in enumerate(doc["namespaces"]):
+                if item is not None:
+                    model, salt, ws = item
+                    self._ns_ids[BlendNamespace(sys.intern(model), sys.intern(salt), int(ws))] = nid
+            self._ns_claims = [int(x) for x in doc["ns_claims"]]
+            self._collisions = int(doc["collisions"])
+            self._rebuilds = int(doc["rebuilds"])
+            self._slots.floor_size = int(doc["slots"]["floor_size"])
+            live = self._c["occ"][:c_size] != _FREE
+            self._slots.rebuild(self._c["fp"][:c_size][live], size=int(doc["slots"]["size"]))
+
+    def token_rows(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Read-only views of content rows ``rows`` (what ``add`` returned for them); used
+        to re-attach a restored directory's bindings to the index's own rows."""
+        return self._tokens.rows(np.asarray(rows, dtype=np.int64))
+
+    def locate_rows(self, views: list) -> np.ndarray:
+        """For each array: the content row it is a view of, or -1 (see ``TokenStore.locate``)."""
+        return self._tokens.locate(views)
+
     # ------------------------------------------------------------------ internals: writes
     def _ns_id(self, ns: BlendNamespace) -> int:
         nid = self._ns_ids.get(ns)
@@ -647,6 +737,23 @@ class _Repeat(Sequence):
         if not -self.n <= i < self.n:
             raise IndexError(i)
         return self.value
+
+
+def _split_hashes(blob: bytes, lengths: np.ndarray) -> list[bytes | None]:
+    """Occupant chunk hashes from their concatenation; length -1 is a free occupant (None)."""
+    n = int(lengths.shape[0])
+    if n and int(lengths.min()) == int(lengths.max()) and int(lengths[0]) > 0:  # one hash length: slices
+        w = int(lengths[0])
+        return [blob[i:i + w] for i in range(0, n * w, w)]
+    out: list[bytes | None] = []
+    pos = 0
+    for ln in lengths.tolist():
+        if ln < 0:
+            out.append(None)
+        else:
+            out.append(blob[pos:pos + ln])
+            pos += ln
+    return out
 
 
 def _check_hash(chunk_hash: Any) -> None:

@@ -472,6 +472,75 @@ class KeyDirectory:
         with self._lock:
             self._capacity.restore(state)
 
+    # ------------------------------------------------------------------ checkpoints
+    def pause_ingest(self) -> threading.RLock:
+        """The lock that, held, stops every write (``with d.pause_ingest(): ...``). Lookups
+        do not take it; a checkpoint holds it only while it captures the state."""
+        return self._lock
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything that decides an answer, as plain data (bulk encoding:
+        ``checkpoint.py``). Call with :meth:`pause_ingest` held, or in a forked copy of the
+        process; the values are the live objects (shared, not copied): encode them before
+        the next write. Bindings come in dict order, which ``list_keys`` pages by."""
+        bindings = list(self._bindings.values())
+        return {
+            "hashes": list(self._bindings),
+            "members": [b.members for b in bindings],
+            "offsets": [b.offset for b in bindings],
+            "indexed": [b.indexed for b in bindings],
+            "tokens": [b.tokens for b in bindings],
+            "l1_chunks": {inst: list(hs) for inst, hs in self._l1_chunks.items()},
+            "l1_keys": dict(self._l1_keys),
+            "capacity": self._capacity.snapshot(),  # declared capacities (plain JSON data)
+            "counters": {"num_keys": self._num_keys, "num_placements": self._num_placements,
+                         "num_with_tokens": self._num_with_tokens, "entries_stored": self._entries_stored,
+                         "entries_deleted": self._entries_deleted, "entries_unfilled": self._entries_unfilled,
+                         "entries_accessed": self._entries_accessed, "entries_applied": self._entries_applied,
+                         "entries_not_indexable": dict(self._not_indexable)},
+            "gate": self._gate.snapshot(),
+            "index": self._index,
+        }
+
+    def clear(self) -> None:
+        """Forget everything (a cold start after a failed restore): an empty directory with
+        a fresh, empty index on the same engine (no second engine selection)."""
+        with self._lock:
+            index, lock = self._index, self._lock
+            self.__init__()  # type: ignore[misc]
+            self._lock = lock
+            if index is not None:
+                self._index = BlendIndex(chunk_size=index.chunk_size, probe_stride=index.probe_stride,
+                                         engine=index.engine, filter=index.filter)  # type: ignore[arg-type]
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Replace this (empty) directory's state by a :meth:`snapshot` as decoded by
+        ``checkpoint.py``: ``tokens`` are then the restored index's own rows for indexed
+        content (the caller restored the index first) and private read-only arrays for the
+        rest. Raises ``ValueError`` when the directory is not empty."""
+        with self._lock:
+            if self._bindings or self._gate.cursors():
+                raise ValueError("restore needs an empty directory")
+            hashes = state["hashes"]
+            self._bindings = dict(zip(hashes, map(_Binding, state["members"], state["offsets"], state["indexed"],
+                                                  state["tokens"])))
+            if len(self._bindings) != len(hashes):
+                raise ValueError("a chunk hash appears twice in the snapshot")
+            self._l1_chunks = {inst: set(hs) for inst, hs in state["l1_chunks"].items()}
+            self._l1_keys = {inst: int(n) for inst, n in state["l1_keys"].items()}
+            self._capacity.restore(state["capacity"])
+            c = state["counters"]
+            self._num_keys, self._num_placements = int(c["num_keys"]), int(c["num_placements"])
+            self._num_with_tokens = int(c["num_with_tokens"])
+            self._entries_stored, self._entries_deleted = int(c["entries_stored"]), int(c["entries_deleted"])
+            self._entries_unfilled, self._entries_accessed = int(c["entries_unfilled"]), int(c["entries_accessed"])
+            self._entries_applied = int(c.get("entries_applied", 0))
+            for reason, n in dict(c.get("entries_not_indexable", {})).items():
+                if reason in self._not_indexable:
+                    self._not_indexable[reason] = int(n)
+            self._gate.restore(state["gate"])
+            self.rebuild_usage()  # the used-bytes ledger is derived from the placements
+
     # ------------------------------------------------------------------ batches
     def _apply_batch_locked(self, batch: EventBatch) -> None:
         kind = batch.event_type

@@ -84,6 +84,26 @@ class Columns:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.cols.values()) + 8 * len(self._free)
 
+    def export(self) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Views of the used rows of each column and the free list, for a checkpoint (the
+        caller holds the owner's lock, or runs in a forked copy of the process)."""
+        return {k: a[: self.size] for k, a in self.cols.items()}, list(self._free)
+
+    def restore(self, cols: dict[str, np.ndarray], size: int, free: list[int]) -> None:
+        """Replace the contents with a checkpoint's ``export`` (columns of ``size`` rows)."""
+        if set(cols) != set(self.cols):
+            raise ValueError(f"columns {sorted(cols)} do not match {sorted(self.cols)}")
+        cap = max(size, 1024)
+        for k, d in self._dtypes.items():
+            a = np.zeros(cap, dtype=d)
+            src = cols[k]
+            if src.shape != (size,):
+                raise ValueError(f"column {k!r} has shape {src.shape}, expected ({size},)")
+            a[:size] = src
+            self.cols[k] = a
+        self.size = size
+        self._free = [int(x) for x in free]
+
     def _grow(self, need: int) -> None:
         cap = max(need, min(self.capacity + self.capacity // 2, need * 2), 1024)
         for k, a in self.cols.items():
@@ -195,6 +215,15 @@ class FingerprintMap:
 
     def nbytes(self) -> int:
         return int(self.keys.nbytes + self.vals.nbytes)
+
+    def restore(self, keys: np.ndarray, vals: np.ndarray, live: int, tombstones: int) -> None:
+        """Adopt a checkpoint's table as is (same probe chains, same tombstones)."""
+        cap = int(keys.shape[0])
+        if cap < 1 or cap & (cap - 1) or vals.shape != keys.shape:
+            raise ValueError(f"fingerprint map of {cap} slots: not a power of two or mismatched")
+        self.keys = np.ascontiguousarray(keys, dtype=np.uint64)
+        self.vals = np.ascontiguousarray(vals, dtype=np.int32)
+        self.live, self.tombstones = int(live), int(tombstones)
 
     def _rehash(self, need: int) -> None:
         live_mask = self.vals >= 0
@@ -316,3 +345,57 @@ class TokenStore:
 
     def nbytes(self) -> int:
         return len(self._py_blocks) * (1 << self.shift) * self.width * 4
+
+    # ------------------------------------------------------------------ checkpoints
+    def export_parts(self, rows: int) -> list[np.ndarray]:
+        """Rows ``0..rows-1`` as block slices (written one after another, no gathering)."""
+        out, r = [], 0
+        while r < rows:
+            block = self._py_blocks[r >> self.shift]
+            take = min(rows - r, 1 << self.shift)
+            out.append(block[:take])
+            r += take
+        return out or [np.empty((0, self.width), dtype=np.uint32)]
+
+    def restore_buffer(self, rows: int) -> np.ndarray:
+        """A buffer of whole blocks holding at least ``rows`` rows: fill its first ``rows``
+        rows, then :meth:`adopt` it (a restore reads the file straight into the store)."""
+        nblocks = max(1, -(-rows >> self.shift))
+        return _alloc_block(nblocks << self.shift, self.width)  # pre-faulted: reads fill it at full speed
+
+    def adopt(self, buffer: np.ndarray) -> None:
+        """Replace every block by views of ``buffer`` (from :meth:`restore_buffer`)."""
+        per = 1 << self.shift
+        if buffer.ndim != 2 or buffer.shape[1] != self.width or buffer.shape[0] % per:
+            raise ValueError(f"buffer of shape {buffer.shape} is not whole blocks of {per} x {self.width}")
+        self.blocks = NumbaList()
+        self._py_blocks, self._ro_blocks = [], []
+        for i in range(buffer.shape[0] // per):
+            block = buffer[i * per:(i + 1) * per]
+            self._py_blocks.append(block)
+            self.blocks.append(block)
+            ro = block.view()
+            ro.setflags(write=False)
+            self._ro_blocks.append(ro)
+
+    def locate(self, views: list) -> np.ndarray:
+        """Row id of each array in ``views`` that is a row of this store (a view handed out
+        by :meth:`row`/:meth:`rows`), else -1 (None, or memory of its own). By address."""
+        n = len(views)
+        out = np.full(n, -1, dtype=np.int64)
+        if not n:
+            return out
+        stride = self.width * 4
+        starts = np.array([b.ctypes.data for b in self._py_blocks], dtype=np.int64)
+        order = np.argsort(starts)
+        starts_sorted = starts[order]
+        span = (1 << self.shift) * stride
+        addr = np.fromiter((-1 if v is None or v.shape != (self.width,) else v.__array_interface__["data"][0]
+                            for v in views), dtype=np.int64, count=n)
+        k = np.searchsorted(starts_sorted, addr, side="right") - 1
+        ok = (addr >= 0) & (k >= 0)
+        kk = np.where(ok, k, 0)
+        delta = addr - starts_sorted[kk]
+        ok &= (delta < span) & (delta % stride == 0)
+        out[ok] = (order[kk[ok]].astype(np.int64) << self.shift) + delta[ok] // stride
+        return out

@@ -80,6 +80,17 @@ class ServiceConfig(BaseModel):
         description="after this many bytes of POST /events bodies, move the live objects into the "
                     "collector's permanent generation (0: never; `blendmatch serve` uses 64 MiB)")
 
+    # durability (service/durability.py); LMCache 0.5.6's names and defaults for the first two
+    checkpoint_path: str = Field(default="", description="checkpoint file; empty: no checkpoints")
+    checkpoint_interval: float = Field(default=60.0, ge=0.0,
+                                       description="seconds between checkpoints; 0: only on a clean stop")
+    require_checkpoint: bool = Field(default=False, description="exit non-zero instead of a cold start when the "
+                                                                "checkpoint is missing, corrupt or of another version")
+    graceful_timeout: float = Field(default=30.0, gt=0.0,
+                                    description="seconds a SIGTERM/SIGINT stop may take (drain, final checkpoint)")
+    max_ready_lag: int = Field(default=1000, ge=0,
+                               description="with events from a log: /readyz is 503 while the lag exceeds this")
+
     @model_validator(mode="after")
     def _check(self) -> "ServiceConfig":
         if self.max_body_bytes is None:

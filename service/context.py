@@ -42,6 +42,7 @@ from blendmatch.index.types import BlendMatch, BlendNamespace
 
 from .batcher import MicroBatcher
 from .config import ServiceConfig
+from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
 from .metrics import ServiceMetrics
 
@@ -132,6 +133,18 @@ class ServiceContext:
         self.registry = InstanceRegistry(config.instance_timeout)
         self._reaper: asyncio.Task[None] | None = None
         self._events_executor: ThreadPoolExecutor | None = None
+        self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
+                                     require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
+                                     directory=lambda: self.directory, registry=self.metrics.registry)
+        # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
+        # goes into the checkpoint as its own section (declared capacities travel with the
+        # directory section).
+        self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
+        #: Why the server must not go on (a required checkpoint missing, an incompatible
+        #: one): set by the restore; the CLI exits non-zero through ``on_fatal``.
+        self.fatal: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._restore_task: asyncio.Future | None = None
         self._events_pending = 0
         self._ingested_since_freeze = 0
         self.started_at = time.time()
@@ -153,6 +166,7 @@ class ServiceContext:
         index = self.directory.blend_index
         if index is not None:  # on the lookup thread: the first batch pays no compilation or page-in
             await asyncio.get_running_loop().run_in_executor(self.lookups.executor, index.warm_up)
+        self._start_restore()
         if self.config.health_check_interval > 0:
             self._reaper = asyncio.create_task(self._reap_forever(), name="blendmatch-reaper")
         eng = self.engine_info()
@@ -161,7 +175,38 @@ class ServiceContext:
                  self.config.chunk_size, self.config.blend_probe_stride, self.config.max_batch_tokens,
                  self.config.max_batch_wait_ms, self.config.max_request_tokens, self.config.effective_engine_threads)
 
+    def _start_restore(self) -> None:
+        """Restore on the events thread, first in its queue: event requests that arrive
+        meanwhile wait behind it and then meet the restored gate (``durability.py``)."""
+        loop = asyncio.get_running_loop()
+        assert self._events_executor is not None
+        task = loop.run_in_executor(self._events_executor, self.durability.restore_at_start)
+
+        def done(fut: asyncio.Future) -> None:
+            exc = fut.exception() if not fut.cancelled() else None
+            if exc is None:
+                self.durability.start_periodic()
+                return
+            self.fatal = exc
+            if isinstance(exc, CheckpointRequired):
+                log.critical("%s", exc)
+            else:
+                log.critical("checkpoint restore failed", exc_info=exc)
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+
+        task.add_done_callback(done)
+        self._restore_task = task
+
+    async def wait_restored(self) -> None:
+        """Until the start-up restore finished (raises what it raised)."""
+        if self._restore_task is not None:
+            await asyncio.shield(self._restore_task)
+
     async def stop(self) -> None:
+        """Graceful: lookups still queued fail only if uvicorn gave up waiting for them;
+        every event request already handed to the events thread is applied; then the final
+        checkpoint is written (when checkpoints are on and the restore had finished)."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -169,8 +214,14 @@ class ServiceContext:
             self._reaper = None
         await self.lookups.stop()
         if self._events_executor is not None:
-            self._events_executor.shutdown(wait=True, cancel_futures=True)
-            self._events_executor = None
+            executor, self._events_executor = self._events_executor, None  # no new event tasks
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        self.durability.stop_periodic()
+        if self.durability.enabled and self.durability.restored and self.fatal is None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.durability.checkpoint_now, "final")
+            except Exception:  # noqa: BLE001 - logged by checkpoint_now; the previous one stands
+                pass
 
     # ------------------------------------------------------------------ lookups
     def check_tokens(self, n: int) -> None:

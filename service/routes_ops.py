@@ -1,6 +1,9 @@
-"""Operations endpoints: ``GET /healthz`` and ``GET /metrics``."""
+"""Operations endpoints: ``GET /healthz``, ``GET /readyz``, ``GET /metrics``,
+``POST /admin/checkpoint``."""
 
 from __future__ import annotations
+
+import json
 
 from fastapi import APIRouter, Response
 
@@ -28,3 +31,37 @@ async def metrics(ctx: Ctx) -> Response:
     event batch being applied may hold for a while.
     """
     return Response(await ctx.read(ctx.metrics.render), media_type=CONTENT_TYPE)
+
+
+@router.get("/readyz", responses={200: {"description": "ready: `{\"status\": \"ready\"}`"},
+                                  503: {"description": "not ready: `{\"status\": \"not ready\", \"reasons\": [...]}`"}})
+async def readyz(ctx: Ctx) -> Response:
+    """Readiness: 503 until the start-up checkpoint restore is done and, when events come
+    from a log, until its lag is at most ``--max-ready-lag``; the body says why. Unlike
+    ``/healthz`` (liveness), a restoring server is alive but not ready."""
+    ready, reasons = ctx.durability.readiness()
+    if ctx.fatal is not None:
+        ready, reasons = False, [f"fatal: {ctx.fatal}"]
+    body = {"status": "ready"} if ready else {"status": "not ready", "reasons": reasons}
+    return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type="application/json")
+
+
+@router.post("/admin/checkpoint", responses={409: {"description": "checkpoints are off, or the restore is running"},
+                                             500: {"description": "the write failed; the previous checkpoint stands"}})
+async def admin_checkpoint(ctx: Ctx) -> Response:
+    """Take a checkpoint now (blocks until the file is renamed into place) and say what was
+    written: path, bytes, seconds, the ingest pause, counts. 409 when ``--checkpoint-path``
+    is empty or the start-up restore has not finished. (Admin role once access control
+    lands; until then, like every route, it is served as configured.)"""
+    dur = ctx.durability
+    if not dur.enabled or not dur.restored:
+        reason = "checkpoints are off (--checkpoint-path is empty)" if not dur.enabled else "restore in progress"
+        return Response(json.dumps({"detail": reason}).encode(), status_code=409, media_type="application/json")
+    try:
+        result = await ctx.read(dur.checkpoint_now, "admin request")
+    except Exception as exc:  # noqa: BLE001 - reported, the previous checkpoint stands
+        return Response(json.dumps({"detail": f"checkpoint failed: {type(exc).__name__}: {exc}"}).encode(),
+                        status_code=500, media_type="application/json")
+    body = {"path": result.path, "bytes": result.bytes, "seconds": result.total_s, "ingest_pause_s": result.pause_s,
+            "forked": result.forked, "info": result.info}
+    return Response(json.dumps(body).encode(), media_type="application/json")

@@ -91,7 +91,8 @@ def test_every_lmcache_coordinator_flag_is_accepted(monkeypatch):
     assert (cfg.health_check_interval, cfg.instance_timeout, cfg.timeout_keep_alive) == (1.0, 1.0, 1.0)
     warnings = cli.ignored_flag_warnings(args, parser)
     meaningful = {"--host", "--port", "--chunk-size", "--blend-probe-stride", "--enable-blend-lookup",
-                  "--health-check-interval", "--instance-timeout", "--timeout-keep-alive"}
+                  "--health-check-interval", "--instance-timeout", "--timeout-keep-alive",
+                  "--checkpoint-path", "--checkpoint-interval"}
     assert sorted(w.split()[0] for w in warnings) == sorted(set(flags) - meaningful)
     assert all("accepted for LMCache compatibility and ignored" in w for w in warnings)
     assert cli.ignored_flag_warnings(parser.parse_args([]), parser) == []
