@@ -15,7 +15,7 @@ Configurations (each for ``--duration`` seconds after a short warm-up, same serv
 - ``coalescing``: ``coalesce=True`` at ``--workers`` workers.
 
 Reported: HTTP requests per second and per lookup, lookups/s, latency submit -> answer
-(p50/p99), failures. Run: ``python scripts/bench_client.py`` (about 40 s on 2 cores).
+(p50/p99), failures. Run: ``python -m blendmatch.bench.client`` (about 40 s on 2 cores).
 """
 
 from __future__ import annotations
