@@ -2,46 +2,19 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
-import uvicorn
 
 from blendmatch.index.types import BlendMatch, BlendNamespace
 from blendmatch.service.app import create_app
 from blendmatch.service.client import BlendClient, BlendHTTPError, resolve_overlaps
 from blendmatch.bench.loadtest import spawn_server, stop_server
+from client_support import LoopbackApp as ServerThread
 from service_support import C, MODEL, chunks, config, hash_of, store
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port, in a background thread."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 def test_blend_client_over_a_real_socket():
