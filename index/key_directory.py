@@ -73,6 +73,7 @@ from blendmatch.gpu import Engine
 
 from .blend_index import BlendIndex
 from .gate import Admission, IngestGate
+from .logsafe import log_safe
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
 from .wire import (
     TIERS,
@@ -249,7 +250,7 @@ class KeyDirectory:
                 if verdict is Admission.FENCE_AND_APPLY:
                     result = self._fence_locked(batch.instance_id)
                     log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
-                             batch.instance_id, batch.incarnation, result.placements)
+                             log_safe(batch.instance_id), batch.incarnation, result.placements)
                 self._apply_batch_locked(batch)
                 applied += 1
         return ApplyCounts(applied, duplicates, stale)
@@ -264,6 +265,20 @@ class KeyDirectory:
         placements die, and with them their namespaces' claims. Idempotent."""
         with self._lock:
             return self._fence_locked(instance_id)
+
+    def forget_instance(self, instance_id: str) -> FenceResult:
+        """Fence ``instance_id`` (as :meth:`fence_instance`) and forget its gate cursor, in one
+        step under the lock: the instance is gone as far as ordering goes, and its next batch
+        starts a fresh cursor at whatever ``(incarnation, seq)`` it carries.
+
+        Why: the cursor only ever moves up, so one forged batch with a huge incarnation
+        (``2**63 - 1``) would make every honest batch of that instance stale until the
+        service restarts. Deleting the instance (``DELETE /instances/{id}``) calls this, which
+        is the documented undo. Idempotent; an unknown instance is a no-op."""
+        with self._lock:
+            result = self._fence_locked(instance_id)
+            self._gate.forget(instance_id)
+            return result
 
     # ------------------------------------------------------------------ reads
     def lookup(self, keys: Iterable[ObjectKey]) -> list[tuple[Placement, ...]]:
@@ -521,7 +536,7 @@ class KeyDirectory:
             self._entries_unfilled += len(unfilled)
             log.warning("%d STORE entries from %s (seq %d) carry token ids outside 0..2^32-1; their "
                         "token bindings stay unfilled (first: chunk %s)", len(unfilled),
-                        batch.instance_id, batch.seq, batch.entries.chunk_hashes[unfilled[0]].hex())
+                        log_safe(batch.instance_id), batch.seq, batch.entries.chunk_hashes[unfilled[0]].hex())
 
     def _new_contents(self, rows: Sequence[int], entries: EntryColumns) -> list[np.ndarray]:
         """First content of new single-key bindings, batch rows ``rows`` (offsets known from

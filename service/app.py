@@ -26,6 +26,7 @@ from blendmatch.index.wire_models import EventRequestModel
 from blendmatch.index.key_directory import KeyDirectory
 
 from . import routes_directory, routes_events, routes_lookup, routes_ops
+from .access import AccessControl, AccessPolicy
 from .config import ServiceConfig
 from .context import ServiceContext
 from .fastpath import FastPath
@@ -45,23 +46,40 @@ Errors: 422 for schema errors, 413 for limits, always `{"detail": "..."}` naming
 
 
 class _BlendApp(FastAPI):
-    """FastAPI entered through the fast path (``fastpath.py``): well-formed lookups and health
-    checks skip every framework layer (FastAPI's per-request telemetry check included);
-    everything else goes to ``FastAPI.__call__`` unchanged."""
+    """FastAPI entered through access control (``access.py``, outermost: nothing is reachable
+    without passing the route policy, the fast path included), then the fast path
+    (``fastpath.py``): well-formed lookups and health checks skip every framework layer
+    (FastAPI's per-request telemetry check included); everything else goes to
+    ``FastAPI.__call__`` unchanged."""
 
-    _fast_path: FastPath | None = None
+    _entry: AccessControl | None = None
+
+    @property
+    def access(self) -> AccessControl:
+        """The access-control layer (``reload()`` on SIGHUP)."""
+        entry = self._entry
+        if entry is None:
+            context: ServiceContext = self.state.blendmatch_context
+            fast = FastPath(super().__call__, context=context, limit=context.config.body_limit)
+            entry = self._entry = AccessControl(fast, self.state.blendmatch_access,
+                                                on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
+        return entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        fast = self._fast_path
-        if fast is None:
-            context: ServiceContext = self.state.blendmatch_context
-            fast = self._fast_path = FastPath(super().__call__, context=context, limit=context.config.body_limit)
-        await fast(scope, receive, send)
+        entry = self._entry
+        if entry is None:
+            entry = self.access
+        await entry(scope, receive, send)
 
 
-def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory | None = None) -> FastAPI:
-    """A ready-to-serve app. ``directory``: use this one (tests) instead of building one."""
+def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory | None = None,
+               access: AccessPolicy | None = None) -> FastAPI:
+    """A ready-to-serve app. ``directory``: use this one (tests) instead of building one.
+    ``access``: this policy instead of the one ``config.access_file`` names (protected mode when
+    it names none); a bad access file raises ``AccessFileError`` here, before serving."""
     config = config or ServiceConfig()
+    if access is None:
+        access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
     context = ServiceContext(config, directory)
 
     @contextlib.asynccontextmanager
@@ -75,6 +93,7 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
     app = _BlendApp(title="blendmatch", version=blendmatch.__version__, description=_DESCRIPTION,
                     lifespan=lifespan)
     app.state.blendmatch_context = context
+    app.state.blendmatch_access = access
     install_error_handlers(app, context.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=config.body_limit,
                        on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())

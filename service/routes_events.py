@@ -15,17 +15,22 @@ fast as ``json.loads`` on token-heavy bodies, which dominated the ingest cost.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic_core import from_json
 
 from blendmatch.index.key_directory import ApplyCounts, KeyDirectory
+from blendmatch.index.logsafe import log_safe
+from blendmatch.index.wire import parse_event_request
 
+from .access import instance_filter
 from .context import Ctx
+from .errors import Forbidden
 from .routes_lookup import ERROR_RESPONSES
 from .schemas import CacheEventsResponse
 
@@ -39,8 +44,11 @@ router = APIRouter(tags=["events"])
 EVENT_REQUEST_SCHEMA_NAME = "EventRequestModel"
 
 
-def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyCounts:
-    """Events thread: JSON-decode, validate whole, apply. Raises 422-mapped errors."""
+def _decode_and_apply(directory: KeyDirectory, raw: bytes,
+                      may_act_for: Callable[[str], bool] | None = None) -> ApplyCounts:
+    """Events thread: JSON-decode, validate whole, check every batch's instance id against
+    the caller's producer patterns (``may_act_for``; None: any instance), apply. Raises
+    422-mapped errors, or :class:`Forbidden` (403) with nothing applied."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
@@ -48,7 +56,15 @@ def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyCounts:
     except ValueError as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": str(exc)}}]) from None
-    return directory.apply(payload)
+    if may_act_for is None:
+        return directory.apply(payload)
+    parsed = parse_event_request(payload)
+    for i, batch in enumerate(parsed.batches):
+        if not may_act_for(batch.instance_id):
+            raise Forbidden(f"body.batches.{i}.instance_id: this credential may not send events for instance "
+                            f"{json.dumps(log_safe(batch.instance_id))} (its instance patterns do not match; "
+                            f"see docs/security.md); nothing was applied")
+    return directory.apply(parsed)
 
 
 @router.post(
@@ -62,7 +78,7 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
     """Apply a list of cache-event batches (LMCache's ``POST /events``)."""
     raw = await request.body()
     t0 = time.perf_counter()
-    counts = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw)
+    counts = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw, instance_filter(request.scope))
     ctx.note_ingested(len(raw))
     ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0)
     return CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale)
@@ -72,7 +88,10 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
                responses={422: ERROR_RESPONSES[422]})
 async def fence_instance(instance_id: str, ctx: Ctx) -> Response:
     """The instance went away: drop its private L1 placements (its L2 and shared-pool
-    placements stay). Idempotent; 204 like LMCache's deregistration."""
-    result = await ctx.run_event_task(ctx.directory.fence_instance, instance_id)
-    log.info("fenced instance %s: %d placements, %d keys dropped", instance_id, result.placements, result.keys)
+    placements stay) and forget its event cursor, so that its next batch starts afresh at
+    whatever incarnation it carries (the undo for a forged incarnation). Idempotent; 204 like
+    LMCache's deregistration. Admin only."""
+    result = await ctx.run_event_task(ctx.directory.forget_instance, instance_id)
+    log.info("deleted instance %s: %d placements, %d keys dropped, event cursor forgotten", log_safe(instance_id),
+             result.placements, result.keys)
     return Response(status_code=204)
