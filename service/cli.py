@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
-_SUBCOMMANDS = ("serve", "bench", "loadtest", "openapi")
+_SUBCOMMANDS = ("serve", "bench", "loadtest", "openapi", "access-key")
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -60,18 +60,56 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d["log_level"].default,
                    choices=("critical", "error", "warning", "info", "debug"), help="(default %(default)s)")
     p.add_argument("--access-log", action="store_true", help="log every request (costs CPU at high rates)")
+    p.add_argument("--access-file", default=None, metavar="FILE",
+                   help="TOML access file: hashed API keys and CIDR allowlists per role (producer, reader, admin, "
+                        "metrics); reloaded on SIGHUP. Without it: protected mode, only loopback peers are served "
+                        "(docs/security.md)")
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                   help="require client certificates signed by these CAs (mutual TLS)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blendmatch", description="Fragment lookups for KV-cache reuse.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,loadtest,openapi}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,loadtest,openapi,access-key}")
     serve = sub.add_parser("serve", help="run the HTTP service", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_flags(serve)
     sub.add_parser("bench", help="core benchmark (blendmatch bench --help)", add_help=False)
     sub.add_parser("loadtest", help="HTTP load test (blendmatch loadtest --help)", add_help=False)
     sub.add_parser("openapi", help="print the OpenAPI schema (JSON)")
+    _add_access_key_parser(sub.add_parser("access-key", help="print a new API key and its access-file entry"))
     return parser
+
+
+def _add_access_key_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="operator", help="the entry's name (default %(default)s)")
+    p.add_argument("--role", action="append", dest="roles", default=None,
+                   choices=("producer", "reader", "admin", "metrics"), help="a role of the key (repeatable)")
+    p.add_argument("--instance", action="append", dest="instances", default=None, metavar="PATTERN",
+                   help="limit producer calls to instance ids matching this fnmatch pattern (repeatable)")
+
+
+def _access_key(argv: Sequence[str]) -> int:
+    """Print a fresh key (to hand to its holder) and the [[key]] entry (for the access file)."""
+    import json
+
+    from .access import hash_key, new_key
+
+    p = argparse.ArgumentParser(prog="blendmatch access-key",
+                                description="Print a new random API key and the access-file entry that grants it. "
+                                            "The file stores only the key's SHA-256.")
+    _add_access_key_parser(p)
+    args = p.parse_args(argv)
+    key = new_key()
+    lines = [f"# API key (give it to its holder; it is not stored): {key}", "[[key]]",
+             f"name = {json.dumps(args.name)}", f'sha256 = "{hash_key(key)}"',
+             f"roles = {json.dumps(args.roles or ['reader'])}"]
+    if args.instances:
+        lines.append(f"instances = {json.dumps(args.instances)}")
+    print("\n".join(lines))
+    return 0
 
 
 #: ``serve`` parks what event ingestion built in the collector's permanent generation after
@@ -88,7 +126,8 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         enable_blend_lookup=args.enable_blend_lookup, engine=args.engine, max_batch_tokens=args.max_batch_tokens,
         max_batch_wait_ms=args.max_batch_wait_ms, max_request_tokens=args.max_request_tokens,
         max_body_bytes=args.max_body_bytes, engine_threads=args.engine_threads, log_level=args.log_level,
-        gc_freeze_ingest_bytes=GC_FREEZE_INGEST_BYTES,
+        gc_freeze_ingest_bytes=GC_FREEZE_INGEST_BYTES, access_file=args.access_file,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
     )
 
 
@@ -105,11 +144,29 @@ def _serve(argv: Sequence[str]) -> int:
         parser.error(problems)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    from .access import AccessFileError, AccessPolicy
+
+    try:
+        access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
+    except AccessFileError as exc:
+        parser.error(str(exc))
+    # The first log line states the access mode (and TLS), before anything else is logged.
+    tls = ("off" if config.ssl_certfile is None else
+           f"on ({config.ssl_certfile}; client certificates {'required' if config.ssl_ca_certs else 'not asked'})")
+    logging.getLogger("blendmatch.service").info("%s; TLS %s", access.describe(), tls)
+
+    import signal
+
     import uvicorn
 
     from .app import create_app
 
-    app = create_app(config)
+    app = create_app(config, access=access)
+    control = app.access  # type: ignore[attr-defined]
+    if hasattr(signal, "SIGHUP"):
+        # uvicorn captures SIGINT/SIGTERM only; SIGHUP stays ours. The handler runs on the
+        # main thread between bytecodes and swaps one attribute: no request sees half a policy.
+        signal.signal(signal.SIGHUP, lambda signum, frame: control.reload())
     # A long-running server: park the start-up objects (numba, pydantic, FastAPI; ~150k of
     # them) in the permanent generation so that the collector's full passes stop walking them.
     gc.collect()
@@ -119,8 +176,17 @@ def _serve(argv: Sequence[str]) -> int:
     # 5 ms several times (batches took ~15 ms instead of ~1 ms). 0.1 ms bounds that wait
     # (measured against 0.5 ms: 10-15% more lookups/s under the load test).
     sys.setswitchinterval(float(os.environ.get("BLENDMATCH_SWITCH_INTERVAL_S", "0.0001")))
+    tls_kw: dict[str, object] = {}
+    if config.ssl_certfile is not None:
+        import ssl
+
+        tls_kw = {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
+        if config.ssl_ca_certs is not None:
+            tls_kw.update(ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    # proxy_headers=False: the peer address that the allowlists check is the socket's, never a
+    # header a client could write.
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=args.access_log,
-                proxy_headers=False, timeout_graceful_shutdown=10)
+                proxy_headers=False, timeout_graceful_shutdown=10, **tls_kw)  # type: ignore[arg-type]
     return 0
 
 
@@ -140,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from blendmatch.bench import loadtest
 
         return int(loadtest.main(rest) or 0)
+    if command == "access-key":
+        return _access_key(rest)
     if command == "openapi":
         from .openapi import main as openapi_main
 

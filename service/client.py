@@ -3,7 +3,9 @@
 ``BlendClient`` (sync) and ``AsyncBlendClient`` (async) wrap ``httpx`` with keep-alive; give
 them a ``base_url`` (``http://127.0.0.1:9300``) or an httpx ``transport`` (e.g.
 ``httpx.ASGITransport(app)`` to call an app in-process, ``httpx.MockTransport`` in tests).
-Tokens travel as ``tokens_b64`` (compact; 5.3 bytes per token).
+Tokens travel as ``tokens_b64`` (compact; 5.3 bytes per token). ``api_key`` sends a bearer
+key (a server with an access file); ``verify`` is httpx's (a CA bundle path or an
+``ssl.SSLContext`` for a TLS server, docs/security.md).
 
 Errors (``BlendClientError`` tree)::
 
@@ -99,6 +101,11 @@ def _events_body(batches: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> Ma
     return batches if isinstance(batches, Mapping) else {"batches": list(batches)}
 
 
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer`` for a server with an access file (docs/security.md)."""
+    return {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+
+
 def _check(response: httpx.Response) -> httpx.Response:
     if response.status_code >= 400:
         try:
@@ -117,8 +124,9 @@ class BlendClient:
     """Synchronous client (thread-safe, keep-alive). Use as a context manager or ``close()``."""
 
     def __init__(self, base_url: str = DEFAULT_URL, *, transport: httpx.BaseTransport | None = None,
-                 timeout: float = 30.0) -> None:
-        self._http = httpx.Client(base_url=base_url, transport=transport, timeout=timeout)
+                 timeout: float = 30.0, api_key: str | None = None, verify: Any = True) -> None:
+        self._http = httpx.Client(base_url=base_url, transport=transport, timeout=timeout,
+                                  headers=_auth_headers(api_key), verify=verify)
 
     def __enter__(self) -> "BlendClient":
         return self
@@ -164,8 +172,10 @@ class AsyncBlendClient:
     """Asynchronous client (keep-alive). ``async with AsyncBlendClient(...) as c: ...``."""
 
     def __init__(self, base_url: str = DEFAULT_URL, *, transport: httpx.AsyncBaseTransport | None = None,
-                 timeout: float = 30.0, limits: httpx.Limits | None = None) -> None:
+                 timeout: float = 30.0, limits: httpx.Limits | None = None, api_key: str | None = None,
+                 verify: Any = True) -> None:
         self._http = httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout,
+                                       headers=_auth_headers(api_key), verify=verify,
                                        limits=limits or httpx.Limits(max_connections=100,
                                                                      max_keepalive_connections=100))
 
