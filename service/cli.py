@@ -21,7 +21,7 @@ from typing import Sequence
 
 from pydantic import ValidationError
 
-__all__ = ["main", "build_parser", "config_from_args"]
+__all__ = ["main", "build_parser", "config_from_args", "uvicorn_tls_kwargs"]
 
 _SUBCOMMANDS = ("serve", "bench", "loadtest", "openapi", "access-key")
 
@@ -131,6 +131,19 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
     )
 
 
+def uvicorn_tls_kwargs(config) -> dict[str, object]:  # config: ServiceConfig
+    """uvicorn's TLS arguments for ``config`` (empty: plain HTTP). With ``ssl_ca_certs`` a
+    client certificate signed by those CAs is required (``CERT_REQUIRED``)."""
+    if config.ssl_certfile is None:
+        return {}
+    import ssl
+
+    kw: dict[str, object] = {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
+    if config.ssl_ca_certs is not None:
+        kw.update(ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return kw
+
+
 def _serve(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="blendmatch serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,13 +189,7 @@ def _serve(argv: Sequence[str]) -> int:
     # 5 ms several times (batches took ~15 ms instead of ~1 ms). 0.1 ms bounds that wait
     # (measured against 0.5 ms: 10-15% more lookups/s under the load test).
     sys.setswitchinterval(float(os.environ.get("BLENDMATCH_SWITCH_INTERVAL_S", "0.0001")))
-    tls_kw: dict[str, object] = {}
-    if config.ssl_certfile is not None:
-        import ssl
-
-        tls_kw = {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
-        if config.ssl_ca_certs is not None:
-            tls_kw.update(ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    tls_kw = uvicorn_tls_kwargs(config)
     # proxy_headers=False: the peer address that the allowlists check is the socket's, never a
     # header a client could write.
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=args.access_log,
