@@ -46,6 +46,8 @@ LMCache-compatible: `POST /events`, `POST /directory/blend-lookup`, `POST /direc
 (keys form), `GET /directory/keys`, `GET /directory/stats`, `DELETE /instances/{instance_id}`,
 `GET /healthz`. Ours: `POST /directory/blend-lookup/batch`, `GET /metrics` (Prometheus).
 Errors: 422 for schema errors, 413 for limits, always `{"detail": "..."}` naming the field.
+Access: protected by default (loopback peers only); roles, API keys and CIDR allowlists come
+from `--access-file` (401 for an unknown key, 403 for a missing role). See docs/security.md.
 """
 
 
