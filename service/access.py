@@ -262,7 +262,7 @@ class AccessPolicy:
         self.source = source
         self.keys = tuple(keys)
         self.networks = tuple(networks)
-        self._peer_cache: dict[str, tuple[Grant, ...]] = {}
+        self._peer_cache: dict[str, tuple[tuple[Grant, ...], frozenset[str]]] = {}
 
     @property
     def protected(self) -> bool:
@@ -336,6 +336,10 @@ class AccessPolicy:
 
     def peer_grants(self, host: Any) -> tuple[Grant, ...]:
         """What the peer address alone grants (cached per address)."""
+        return self.peer_access(host)[0]
+
+    def peer_access(self, host: Any) -> tuple[tuple[Grant, ...], frozenset[str]]:
+        """``(grants, union of their roles)`` of a peer address; computed once per address."""
         key = host if isinstance(host, str) else ""
         hit = self._peer_cache.get(key)
         if hit is not None:
@@ -349,8 +353,9 @@ class AccessPolicy:
             grants = tuple(g for net, g in self.networks if addr.version == net.version and addr in net)
         if len(self._peer_cache) >= _MAX_PEER_CACHE:
             self._peer_cache.clear()
-        self._peer_cache[key] = grants
-        return grants
+        entry = (grants, frozenset(r for g in grants for r in g.roles))
+        self._peer_cache[key] = entry
+        return entry
 
     def key_grant(self, key: str) -> Grant | None:
         """The grant of a presented API key, or None. Compares with every stored digest."""
@@ -459,7 +464,7 @@ class AccessControl:
         policy = self.policy
         client = scope.get("client")
         host = client[0] if client else None
-        grants = policy.peer_grants(host)
+        grants, roles = policy.peer_access(host)
         key_name = "none"
         if policy.keys:
             token = _bearer(scope)
@@ -471,8 +476,8 @@ class AccessControl:
                                       [(b"www-authenticate", b'Bearer realm="blendmatch"')])
                     return
                 key_name = grant.name
-                grants = (*grants, grant)
-        if not any(r in rule.roles for g in grants for r in g.roles):
+                grants, roles = (*grants, grant), roles | grant.roles
+        if rule.roles.isdisjoint(roles):
             await self._reply(send, 403, self._deny_detail(policy, method, path, rule, grants, host, key_name))
             return
         if rule.instance_param is not None and "producer" in rule.roles:
