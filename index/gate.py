@@ -21,10 +21,11 @@ import enum
 import logging
 from typing import NamedTuple, Optional
 
+from .logsafe import log_safe
+
 __all__ = ["Admission", "InstanceCursor", "IngestGate"]
 
 log = logging.getLogger(__name__)
-
 
 
 class Admission(enum.Enum):
@@ -82,14 +83,17 @@ class IngestGate:
             self.gaps += 1
             self.missed += seq - last_seq - 1
             log.warning("cache events from %s (incarnation %d): gap before seq %d (last applied %d)",
-                        instance_id, incarnation, seq, last_seq)
+                        log_safe(instance_id), incarnation, seq, last_seq)
         self._cursors[instance_id] = InstanceCursor(incarnation, seq)
         self.applied += 1
         return verdict
 
-    def drop_cursor(self, instance_id: str) -> bool:
-        """Forget an instance's cursor (it deregistered or expired), so that a later
-        reconnect starts fresh at any incarnation and seq. Returns whether one was held."""
+    def forget(self, instance_id: str) -> bool:
+        """Drop the instance's cursor: its next batch is admitted as a first batch, whatever
+        its incarnation and seq. Used when an instance deregisters or expires, and as the undo
+        for a forged incarnation (one batch with a huge incarnation would otherwise mark every
+        later, honest batch stale until a restart). Returns whether a cursor was there.
+        Idempotent."""
         return self._cursors.pop(instance_id, None) is not None
 
     def cursor(self, instance_id: str) -> Optional[InstanceCursor]:

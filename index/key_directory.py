@@ -76,6 +76,7 @@ from blendmatch.gpu import Engine
 from .blend_index import BlendIndex
 from .capacity import CapacityDeclarations, UsageLedger, usage_ratio
 from .gate import Admission, IngestGate
+from .logsafe import log_safe
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
 from .wire import (
     TIERS,
@@ -282,7 +283,7 @@ class KeyDirectory:
                 if verdict is Admission.FENCE_AND_APPLY:
                     result = self._fence_locked(batch.instance_id)
                     log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
-                             batch.instance_id, batch.incarnation, result.placements)
+                             log_safe(batch.instance_id), batch.incarnation, result.placements)
                 if batch.event_type == "store":
                     self._classify_store_locked(batch, skipped)
                 self._apply_batch_locked(batch)
@@ -300,12 +301,14 @@ class KeyDirectory:
         """The instance left: fence its private L1 placements and forget its event cursor (a
         later reconnect starts fresh at any incarnation); with ``forget_capacity`` (a
         deregistration) also its declared capacity. Its L2 and shared placements stay
-        (their storage outlives the process). Idempotent. LMCache's
+        (their storage outlives the process). Idempotent. Also the documented undo for a
+        forged incarnation: the cursor only ever moves up, so one forged batch with a huge
+        incarnation would make every honest batch stale until a restart. LMCache's
         ``EventGate.drop_instance`` (the reaper: capacity kept) plus
         ``ServerConfigRegistry.forget`` (``DELETE /instances/{id}``)."""
         with self._lock:
             result = self._fence_locked(instance_id)
-            self._gate.drop_cursor(instance_id)
+            self._gate.forget(instance_id)
             if forget_capacity:
                 self._capacity.forget(instance_id)
             return result
@@ -560,7 +563,7 @@ class KeyDirectory:
         if not self._capacity.consume(batch.instance_id, batch.incarnation, batch.capacity_revision, batch.tier,
                                       batch.backend, batch.capacity_bytes, batch.shared):
             log.info("capacity declaration from %s (incarnation %d, revision %d) is older than the one held; "
-                     "dropped", batch.instance_id, batch.incarnation, batch.capacity_revision)
+                     "dropped", log_safe(batch.instance_id), batch.incarnation, batch.capacity_revision)
 
     def _classify_store_locked(self, batch: EventBatch, skipped: dict[str, int]) -> None:
         """Before a STORE batch is applied: account its placement bytes (the usage ledger,
@@ -605,7 +608,7 @@ class KeyDirectory:
                 self._warned.add((batch.instance_id, reason))
                 log.warning("STORE entries from %s are not indexable for blend lookup (%s; first: chunk %s, "
                             "seq %d); counted in entries_not_indexable, logged once per instance and reason",
-                            batch.instance_id, reason, entries.chunk_hashes[i].hex(), batch.seq)
+                            log_safe(batch.instance_id), reason, entries.chunk_hashes[i].hex(), batch.seq)
 
     def _account_store_bytes(self, batch: EventBatch) -> None:
         """Usage-ledger delta of a STORE batch: each entry adds a placement with its size, or
@@ -782,7 +785,7 @@ class KeyDirectory:
             self._entries_unfilled += len(unfilled)
             log.warning("%d STORE entries from %s (seq %d) carry token ids outside 0..2^32-1; their "
                         "token bindings stay unfilled (first: chunk %s)", len(unfilled),
-                        batch.instance_id, batch.seq, batch.entries.chunk_hashes[unfilled[0]].hex())
+                        log_safe(batch.instance_id), batch.seq, batch.entries.chunk_hashes[unfilled[0]].hex())
 
     def _new_contents(self, rows: Sequence[int], entries: EntryColumns) -> list[np.ndarray]:
         """First content of new single-key bindings, batch rows ``rows`` (offsets known from

@@ -26,6 +26,8 @@ time the coordinator was down does not count against the fleet.
 
 from __future__ import annotations
 
+from .logsafe import log_safe
+
 import logging
 import threading
 import time
@@ -151,7 +153,7 @@ class InstanceRegistry:
             self.expirations += len(gone)
         for i in gone:
             log.warning("instance %s sent no heartbeat for more than %g s: expired (its L1 placements are fenced)",
-                        i, self.timeout_s)
+                        log_safe(i), self.timeout_s)
         return gone
 
     def usage(self, directory: "KeyDirectory", instance_id: Optional[str] = None) -> Optional[dict[str, Any]]:

@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 __all__ = [
+    "B64_TOKENS_PATTERN",
     "DEFAULT_MAX_REQUEST_TOKENS",
     "MAX_TOKEN_ID",
     "TokenDecodeError",
@@ -240,6 +241,13 @@ def _b64_error(value: str, pos: int, field: str) -> TokenDecodeError:
                                               "(only the last 1 or 2 characters may be '=')")
     return TokenDecodeError(field, f"not valid standard base64: character {ch!r} at position {pos} "
                                           "is not in the alphabet A-Z a-z 0-9 + /")
+
+
+#: ``tokens_b64`` as a regular expression, for schemas (JSON Schema ``pattern``): standard
+#: base64 with '=' padding whose decoded length is a multiple of 4 bytes (16 characters per
+#: 3 ids, then one id as 6 + "==" or two as 11 + "="). Exactly what :func:`decode_b64_many`
+#: accepts; the decoder stays the check, the pattern is the documentation.
+B64_TOKENS_PATTERN = r"^(?:[A-Za-z0-9+/]{16})*(?:[A-Za-z0-9+/]{6}==|[A-Za-z0-9+/]{11}=)?$"
 
 
 def decode_b64(value: Any, field: str = "tokens_b64") -> np.ndarray:

@@ -697,10 +697,9 @@ def _required_int(raw: dict, name: str, lo: int) -> int:
 
 
 def _optional_int(raw: dict, name: str) -> int:
-    """A non-negative integer field that defaults to 0 (``null`` reads as absent)."""
-    value = raw.get(name)
-    if value is None:
-        return 0
+    """A non-negative integer field that defaults to 0 when absent. ``null`` is an error, as
+    in LMCache's schema (an ``int`` field with a default is not nullable)."""
+    value = raw.get(name, 0)
     if type(value) is not int or not 0 <= value <= INT64_MAX:
         raise _Bad((name,), _int_reason(value, 0, INT64_MAX))
     return value

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .tokens import TokenDecodeError, decode_b64
+from .tokens import B64_TOKENS_PATTERN, TokenDecodeError, decode_b64
 from .types import UNKNOWN_TOKEN_OFFSET
 from .wire import INT64_MAX, KV_RANK_MAX, MAX_CACHE_SALT_CHARS, MAX_CHUNK_HASH_BYTES
 
@@ -93,9 +93,11 @@ class EventEntryModel(BaseModel):
     size_bytes: int = Field(default=0, ge=0, le=INT64_MAX,
                             description="bytes of the stored copy; meaningful on store only (ignored on "
                                         "delete and access, where LMCache sends 0)")
-    token_ids: list[int] = Field(default_factory=list)
+    # bool is accepted as 0/1, as the fast parser does (array('I').fromlist takes bools;
+    # refusing them would cost a per-token type check on the ingest hot path, ~4x its cost).
+    token_ids: list[int | bool] = Field(default_factory=list)
     tokens_b64: Optional[str] = Field(
-        default=None,
+        default=None, pattern=B64_TOKENS_PATTERN,
         description="blendmatch extension (not LMCache's): the entry's token ids as standard base64 "
                     "(alphabet A-Z a-z 0-9 + /, '=' padding; decoded strictly, as Python's "
                     "base64.b64decode(s, validate=True)) of little-endian uint32, instead of token_ids; "
@@ -121,10 +123,21 @@ class EventEntryModel(BaseModel):
         return self
 
 
+#: ``_cross_field_rules`` below, said in JSON Schema, so that the published schema accepts
+#: exactly what the validator accepts (schemathesis checks that schema-valid bodies are
+#: accepted). Change both together.
+_BATCH_CROSS_FIELD_SCHEMA: dict[str, Any] = {"allOf": [
+    {"if": {"properties": {"event_type": {"const": "access"}}},
+     "else": {"required": ["backend"], "properties": {"backend": {"minLength": 1}}}},
+    {"if": {"properties": {"event_type": {"const": "config"}}},
+     "then": {"properties": {"entries": {"maxItems": 0}}}},
+]}
+
+
 class EventBatchModel(BaseModel):
     """One batch from one instance."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_BATCH_CROSS_FIELD_SCHEMA)
 
     instance_id: str = Field(min_length=1)
     incarnation: int = Field(ge=0, le=INT64_MAX)

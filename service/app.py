@@ -22,17 +22,22 @@ from fastapi.openapi.utils import get_openapi
 from starlette.types import Receive, Scope, Send
 
 import blendmatch
+from blendmatch.index.wire import INT64_MAX
 from blendmatch.index.wire_models import EventRequestModel
 from blendmatch.index.key_directory import KeyDirectory
 
 from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops
+from .access import AccessControl, AccessPolicy, rule_for
 from .config import ServiceConfig
 from .context import ServiceContext
 from .fastpath import FastPath
 from .handlers import install_error_handlers
 from .middleware import BodyLimitMiddleware
 
-__all__ = ["create_app", "build_openapi"]
+__all__ = ["create_app", "build_openapi", "JSON_BODY_PATHS"]
+
+#: POST routes whose body must be ``Content-Type: application/json`` (else 415).
+JSON_BODY_PATHS = ("/events", "/directory/blend-lookup", "/directory/blend-lookup/batch", "/directory/lookup")
 
 _DESCRIPTION = """\
 Fragment lookups for KV-cache reuse over an LMCache cache-event stream.
@@ -43,27 +48,46 @@ LMCache-compatible: `POST /events`, `POST /directory/blend-lookup`, `POST /direc
 `DELETE /instances/{instance_id}`, `GET /instances/usage`, `GET /instances/{instance_id}/usage`),
 `GET /healthz`. Ours: `POST /directory/blend-lookup/batch`, `GET /metrics` (Prometheus).
 Errors: 422 for schema errors, 413 for limits, always `{"detail": "..."}` naming the field.
+Access: protected by default (loopback peers only); roles, API keys and CIDR allowlists come
+from `--access-file` (401 for an unknown key, 403 for a missing role). See docs/security.md.
 """
 
 
 class _BlendApp(FastAPI):
-    """FastAPI entered through the fast path (``fastpath.py``): well-formed lookups and health
-    checks skip every framework layer (FastAPI's per-request telemetry check included);
-    everything else goes to ``FastAPI.__call__`` unchanged."""
+    """FastAPI entered through access control (``access.py``, outermost: nothing is reachable
+    without passing the route policy, the fast path included), then the fast path
+    (``fastpath.py``): well-formed lookups and health checks skip every framework layer
+    (FastAPI's per-request telemetry check included); everything else goes to
+    ``FastAPI.__call__`` unchanged."""
 
-    _fast_path: FastPath | None = None
+    _entry: AccessControl | None = None
+
+    @property
+    def access(self) -> AccessControl:
+        """The access-control layer (``reload()`` on SIGHUP)."""
+        entry = self._entry
+        if entry is None:
+            context: ServiceContext = self.state.blendmatch_context
+            fast = FastPath(super().__call__, context=context, limit=int(context.config.max_body_bytes))
+            entry = self._entry = AccessControl(fast, self.state.blendmatch_access,
+                                                on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
+        return entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        fast = self._fast_path
-        if fast is None:
-            context: ServiceContext = self.state.blendmatch_context
-            fast = self._fast_path = FastPath(super().__call__, context=context, limit=int(context.config.max_body_bytes))
-        await fast(scope, receive, send)
+        entry = self._entry
+        if entry is None:
+            entry = self.access
+        await entry(scope, receive, send)
 
 
-def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory | None = None) -> FastAPI:
-    """A ready-to-serve app. ``directory``: use this one (tests) instead of building one."""
+def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory | None = None,
+               access: AccessPolicy | None = None) -> FastAPI:
+    """A ready-to-serve app. ``directory``: use this one (tests) instead of building one.
+    ``access``: this policy instead of the one ``config.access_file`` names (protected mode when
+    it names none); a bad access file raises ``AccessFileError`` here, before serving."""
     config = config or ServiceConfig()
+    if access is None:
+        access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
     context = ServiceContext(config, directory)
 
     @contextlib.asynccontextmanager
@@ -77,9 +101,11 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
     app = _BlendApp(title="blendmatch", version=blendmatch.__version__, description=_DESCRIPTION,
                     lifespan=lifespan)
     app.state.blendmatch_context = context
+    app.state.blendmatch_access = access
     install_error_handlers(app, context.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=int(config.max_body_bytes),
-                       on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
+                       on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc(),
+                       json_paths=JSON_BODY_PATHS)
     for module in (routes_lookup, routes_events, routes_directory, routes_instances, routes_ops):
         # Flattened into the app's own route list rather than include_router(): recent
         # FastAPI versions match included routers through an extra layer per router, which
@@ -105,4 +131,49 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         components.setdefault(name, sub)
     components[routes_events.EVENT_REQUEST_SCHEMA_NAME] = events
     schema["components"]["schemas"] = dict(sorted(components.items()))
+    _document_access(schema)
+    _exact_integer_bounds(schema)
     return schema
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """FastAPI's OpenAPI model stores ``minimum``/``maximum`` as floats, which turns the int64
+    bound 2^63 - 1 into 2.0**63 (one more than the server accepts: a mismatch schemathesis
+    found). Integer schemas get integer bounds again; 2.0**63 can only have been 2^63 - 1."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                v = node.get(k)
+                if isinstance(v, float) and v.is_integer():
+                    node[k] = INT64_MAX if v == 2.0 ** 63 else int(v)
+        for v in node.values():
+            _exact_integer_bounds(v)
+    elif isinstance(node, list):
+        for v in node:
+            _exact_integer_bounds(v)
+
+
+def _document_access(schema: dict[str, Any]) -> None:
+    """Document what every route may answer before it runs, from the very tables that decide
+    it: 401/403 from the access policy (``access.ROUTE_POLICY``), 415 for JSON-body routes,
+    and the bearer scheme. So the schema cannot drift from the checks."""
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    schema["components"].setdefault("securitySchemes", {})["bearerKey"] = {
+        "type": "http", "scheme": "bearer",
+        "description": "an API key from the access file; peers on a CIDR allowlist need none (docs/security.md)"}
+    for path, ops in schema.get("paths", {}).items():
+        for method, op in ops.items():
+            rule, _ = rule_for(method.upper(), path)
+            responses = op.setdefault("responses", {})
+            if not rule.open:
+                op["security"] = [{}, {"bearerKey": []}]
+                roles = ", ".join(sorted(rule.roles))
+                responses.setdefault("401", {"description": "an API key was sent and is not in the access file",
+                                             "content": error})
+                responses.setdefault("403", {"description": f"the peer/key lacks the role: {roles} (protected "
+                                                            f"mode: any non-loopback peer)", "content": error})
+            if method == "post" and path in JSON_BODY_PATHS:
+                responses.setdefault("415", {"description": "Content-Type is not application/json",
+                                             "content": error})
+                responses.setdefault("400", {"description": "Content-Length is not an integer", "content": error})
+            op["responses"] = dict(sorted(responses.items()))

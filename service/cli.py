@@ -34,10 +34,10 @@ import numpy as np
 
 from blendmatch import __version__
 
-__all__ = ["main", "build_parser", "config_from_args", "read_token_file", "EXIT_DATAERR", "EXIT_NOINPUT",
+__all__ = ["main", "build_parser", "config_from_args", "uvicorn_tls_kwargs", "read_token_file", "EXIT_DATAERR", "EXIT_NOINPUT",
            "EXIT_PROTOCOL", "EXIT_UNAVAILABLE"]
 
-_SUBCOMMANDS = ("serve", "lookup", "bench", "loadtest", "openapi", "checkpoint")
+_SUBCOMMANDS = ("serve", "lookup", "bench", "loadtest", "openapi", "checkpoint", "access-key")
 
 #: ``blendmatch lookup`` exit statuses (BSD sysexits.h; 2 stays argparse's usage error).
 EXIT_DATAERR = 65      # the token file is not a list of token ids
@@ -143,6 +143,17 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-keep-alive", type=float, default=d["timeout_keep_alive"].default,
                    help=_help("seconds idle HTTP connections stay open; keep it above the servers' heartbeat "
                               "interval (5 s)", f"{coord} --timeout-keep-alive"))
+    a = p.add_argument_group("access and TLS (docs/security.md)")
+    a.add_argument("--access-file", default=None, metavar="FILE",
+                   help=_help("TOML access file: hashed API keys and CIDR allowlists per role (producer, reader, "
+                              "admin, metrics); reloaded on SIGHUP. Without it: protected mode, only loopback "
+                              "peers are served", default="none: protected mode"))
+    a.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                   help=_help("serve HTTPS with this certificate", default="plain HTTP"))
+    a.add_argument("--ssl-keyfile", default=None, metavar="PEM", help=_help("the certificate's private key",
+                                                                          default="none"))
+    a.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                   help=_help("require client certificates signed by these CAs (mutual TLS)", default="none"))
     g = p.add_argument_group("durability (docs/operations.md)")
     g.add_argument("--checkpoint-path", default=d["checkpoint_path"].default,
                    help=_help("checkpoint file, restored at start and written periodically and on a clean "
@@ -253,7 +264,37 @@ def build_parser() -> argparse.ArgumentParser:
     ck_sub = ck.add_subparsers(dest="checkpoint_command", metavar="{inspect}", required=True)
     ins = ck_sub.add_parser("inspect", help="print version, time, counts and stream position; verify every checksum")
     ins.add_argument("path")
+    _add_access_key_parser(sub.add_parser("access-key", help="print a new API key and its access-file entry"))
     return parser
+
+
+def _add_access_key_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name", default="operator", help="the entry's name (default %(default)s)")
+    p.add_argument("--role", action="append", dest="roles", default=None,
+                   choices=("producer", "reader", "admin", "metrics"), help="a role of the key (repeatable)")
+    p.add_argument("--instance", action="append", dest="instances", default=None, metavar="PATTERN",
+                   help="limit producer calls to instance ids matching this fnmatch pattern (repeatable)")
+
+
+def _access_key(argv: Sequence[str]) -> int:
+    """Print a fresh key (to hand to its holder) and the [[key]] entry (for the access file)."""
+    import json
+
+    from .access import hash_key, new_key
+
+    p = argparse.ArgumentParser(prog="blendmatch access-key",
+                                description="Print a new random API key and the access-file entry that grants it. "
+                                            "The file stores only the key's SHA-256.")
+    _add_access_key_parser(p)
+    args = p.parse_args(argv)
+    key = new_key()
+    lines = [f"# API key (give it to its holder; it is not stored): {key}", "[[key]]",
+             f"name = {json.dumps(args.name)}", f'sha256 = "{hash_key(key)}"',
+             f"roles = {json.dumps(args.roles or ['reader'])}"]
+    if args.instances:
+        lines.append(f"instances = {json.dumps(args.instances)}")
+    print("\n".join(lines))
+    return 0
 
 
 #: ``serve`` parks what event ingestion built in the collector's permanent generation after
@@ -276,7 +317,22 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         checkpoint_path=args.checkpoint_path,
         checkpoint_interval=args.checkpoint_interval, require_checkpoint=args.require_checkpoint,
         graceful_timeout=args.graceful_timeout, max_ready_lag=args.max_ready_lag,
+        access_file=args.access_file, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
     )
+
+
+def uvicorn_tls_kwargs(config) -> dict[str, object]:  # config: ServiceConfig
+    """uvicorn's TLS arguments for ``config`` (empty: plain HTTP). With ``ssl_ca_certs`` a
+    client certificate signed by those CAs is required (``CERT_REQUIRED``)."""
+    if config.ssl_certfile is None:
+        return {}
+    import ssl
+
+    kw: dict[str, object] = {"ssl_certfile": config.ssl_certfile, "ssl_keyfile": config.ssl_keyfile}
+    if config.ssl_ca_certs is not None:
+        kw.update(ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return kw
 
 
 def _serve(argv: Sequence[str]) -> int:
@@ -294,6 +350,16 @@ def _serve(argv: Sequence[str]) -> int:
                              for e in exc.errors())
         parser.error(problems)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .access import AccessFileError, AccessPolicy
+
+    try:
+        access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
+    except AccessFileError as exc:
+        parser.error(str(exc))
+    # The first log line states the access mode (and TLS), before anything else is logged.
+    tls = ("off" if config.ssl_certfile is None else
+           f"on ({config.ssl_certfile}; client certificates {'required' if config.ssl_ca_certs else 'not asked'})")
+    logging.getLogger("blendmatch.service").info("%s; TLS %s", access.describe(), tls)
     for line in ignored_flag_warnings(args, parser):
         logging.getLogger("blendmatch.service.cli").warning("%s", line)
 
@@ -301,7 +367,14 @@ def _serve(argv: Sequence[str]) -> int:
 
     from .app import create_app
 
-    app = create_app(config)
+    import signal
+
+    app = create_app(config, access=access)
+    control = app.access  # type: ignore[attr-defined]
+    if hasattr(signal, "SIGHUP"):
+        # uvicorn captures SIGINT/SIGTERM only; SIGHUP stays ours. The handler runs on the
+        # main thread between bytecodes and swaps one attribute: no request sees half a policy.
+        signal.signal(signal.SIGHUP, lambda signum, frame: control.reload())
     # A long-running server: park the start-up objects (numba, pydantic, FastAPI; ~150k of
     # them) in the permanent generation so that the collector's full passes stop walking them.
     gc.collect()
@@ -313,8 +386,10 @@ def _serve(argv: Sequence[str]) -> int:
     sys.setswitchinterval(float(os.environ.get("BLENDMATCH_SWITCH_INTERVAL_S", "0.0001")))
     # Half of --graceful-timeout for in-flight requests; the rest is for the events thread
     # and the final checkpoint (the watchdog in _GracefulServer bounds the whole stop).
+    # proxy_headers=False: the peer address that the allowlists check is the socket's, never a
+    # header a client could write.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               access_log=args.access_log, proxy_headers=False,
+                               access_log=args.access_log, proxy_headers=False, **uvicorn_tls_kwargs(config),
                                timeout_graceful_shutdown=max(1, int(config.graceful_timeout / 2)),
                                timeout_keep_alive=int(config.timeout_keep_alive) if config.timeout_keep_alive.is_integer()
                                else config.timeout_keep_alive)
@@ -493,6 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from blendmatch.bench import loadtest
 
         return int(loadtest.main(rest) or 0)
+    if command == "access-key":
+        return _access_key(rest)
     if command == "checkpoint":
         args = build_parser().parse_args(argv)
         return _checkpoint_inspect(args.path)

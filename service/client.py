@@ -3,7 +3,9 @@
 ``BlendClient`` (sync) and ``AsyncBlendClient`` (async) wrap ``httpx`` with keep-alive; give
 them a ``base_url`` (``http://127.0.0.1:9300``) or an httpx ``transport`` (e.g.
 ``httpx.ASGITransport(app)`` to call an app in-process, ``httpx.MockTransport`` in tests).
-Tokens travel as ``tokens_b64`` (compact; 5.3 bytes per token).
+Tokens travel as ``tokens_b64`` (compact; 5.3 bytes per token). ``api_key`` sends a bearer
+key (a server with an access file); ``verify`` is httpx's (a CA bundle path or an
+``ssl.SSLContext`` for a TLS server, docs/security.md).
 
 Two ways to ask for matches:
 
@@ -153,6 +155,11 @@ def _events_body(batches: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> Ma
     return batches if isinstance(batches, Mapping) else {"batches": list(batches)}
 
 
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer`` for a server with an access file (docs/security.md)."""
+    return {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+
+
 def _check(response: httpx.Response) -> httpx.Response:
     if response.status_code >= 400:
         try:
@@ -227,7 +234,8 @@ class BlendClient:
     """
 
     def __init__(self, base_url: str = DEFAULT_URL, *, transport: httpx.BaseTransport | None = None,
-                 timeout: float = 30.0, request_fn: RequestFn | None = None,
+                 timeout: float = 30.0, api_key: str | None = None, verify: Any = True,
+                 request_fn: RequestFn | None = None,
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                  match_budget_s: float = DEFAULT_MATCH_BUDGET_S,
                  match_concurrency: int = DEFAULT_MATCH_CONCURRENCY, chunk_size: int | None = None,
@@ -251,7 +259,7 @@ class BlendClient:
         self._request_fn = request_fn
         self._http = None if request_fn is not None else httpx.Client(
             base_url=base_url.rstrip("/"), transport=transport or _default_transport(match_concurrency),
-            timeout=timeout)
+            timeout=timeout, headers=_auth_headers(api_key), verify=verify)
         self._pool: MatchPool | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
@@ -419,8 +427,10 @@ class AsyncBlendClient:
     """Asynchronous client (keep-alive). ``async with AsyncBlendClient(...) as c: ...``."""
 
     def __init__(self, base_url: str = DEFAULT_URL, *, transport: httpx.AsyncBaseTransport | None = None,
-                 timeout: float = 30.0, limits: httpx.Limits | None = None) -> None:
+                 timeout: float = 30.0, limits: httpx.Limits | None = None, api_key: str | None = None,
+                 verify: Any = True) -> None:
         self._http = httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout,
+                                       headers=_auth_headers(api_key), verify=verify,
                                        limits=limits or httpx.Limits(max_connections=100,
                                                                      max_keepalive_connections=100))
 

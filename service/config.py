@@ -22,6 +22,9 @@ Limits and why they exist:
   parallel probe may use. The event loop needs a core of its own under load: on a 2-core
   machine a 2-thread probe runs half its work on the loop's core and took 1.5x longer than a
   1-thread probe while the server was saturated.
+- ``access_file`` (default None: protected mode, loopback peers only) and the ``ssl_*``
+  files: see ``service/access.py`` and docs/security.md. A key file may be omitted when the
+  certificate file also holds the key (as uvicorn allows).
 - ``max_batch_wait_ms`` (default 0) is how long the batcher may wait for more requests once
   it has one: 0 means "take whatever is queued when the engine becomes free", which already
   forms large batches under load and adds no latency when idle.
@@ -75,6 +78,14 @@ class ServiceConfig(BaseModel):
         default=10.0, gt=0.0,
         description="seconds an idle HTTP connection stays open; must exceed the servers' heartbeat interval "
                     "(LMCache: 5 s), or heartbeats race the server closing the connection")
+    access_file: str | None = Field(
+        default=None,
+        description="TOML access file (API keys, CIDR allowlists per role; docs/security.md). None: protected "
+                    "mode, only loopback peers are served")
+    ssl_certfile: str | None = Field(default=None, description="serve HTTPS with this certificate (PEM)")
+    ssl_keyfile: str | None = Field(default=None, description="private key of ssl_certfile (PEM)")
+    ssl_ca_certs: str | None = Field(default=None,
+                                     description="require client certificates signed by these CAs (PEM)")
     gc_freeze_ingest_bytes: int = Field(
         default=0, ge=0,
         description="after this many bytes of POST /events bodies, move the live objects into the "
@@ -93,6 +104,10 @@ class ServiceConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ServiceConfig":
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_keyfile needs ssl_certfile")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs (client certificates) needs ssl_certfile (the server's certificate)")
         if self.max_body_bytes is None:
             object.__setattr__(self, "max_body_bytes",
                                self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES)

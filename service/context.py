@@ -36,6 +36,7 @@ import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.tokens import TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count, decode_b64_many
 from blendmatch.index.types import BlendMatch, BlendNamespace
@@ -298,7 +299,7 @@ class ServiceContext:
             result = await self.run_event_task(functools.partial(self.directory.drop_instance, instance_id,
                                                                    forget_capacity=False))
             self.metrics.instance_events.labels("expired").inc()
-            log.warning("expired instance %s: fenced %d L1 placements (%d keys dropped)", instance_id,
+            log.warning("expired instance %s: fenced %d L1 placements (%d keys dropped)", log_safe(instance_id),
                         result.placements, result.keys)
         return expired
 

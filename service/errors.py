@@ -5,6 +5,7 @@ Class tree::
     ServiceError                 base; never raised itself
     ├── RequestRejected          the caller's fault: a 4xx with a stable JSON body
     │   ├── InvalidRequest       422: a field is missing, mistyped or undecodable
+    │   ├── Forbidden            403: the credential may not do this (e.g. act for that instance)
     │   └── LimitExceeded        413: the body or the token count is over a configured limit
     ├── ServiceUnavailable       503: the batcher is not running (starting up / shutting down)
     └── BatchError               the batcher's own failures (never the caller's fault)
@@ -25,6 +26,7 @@ __all__ = [
     "RequestRejected",
     "InvalidRequest",
     "LimitExceeded",
+    "Forbidden",
     "ServiceUnavailable",
     "BatchError",
     "BatchOutputMismatch",
@@ -63,6 +65,14 @@ class NotSupported(ServiceError):
     """A valid request for something blendmatch does not do (501; the detail says why)."""
 
     status_code = 501
+
+
+class Forbidden(RequestRejected):
+    """The caller's credential does not allow this (403). Route-level checks (which role may
+    call a route) happen in ``access.AccessControl``; this is for checks that need the body,
+    such as a producer limited to some instance ids sending a batch for another."""
+
+    status_code = 403
 
 
 class ServiceUnavailable(ServiceError):

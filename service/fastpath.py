@@ -82,6 +82,9 @@ class FastPath:
             await self.app(scope, receive, send)  # the app answers (or rejects) it
             return
         body, tail = await _read_body(receive)
+        if tail:  # the client went away mid-body: the app counts and logs it (middleware.py)
+            await self.app(scope, _replay(body, tail, receive), send)
+            return
         model, answer = route
         try:
             parsed = model.model_validate_json(body)  # pydantic-core's parser: ~2x json.loads + validate
@@ -115,7 +118,8 @@ async def _read_body(receive: Receive) -> tuple[bytes, list[Message]]:
 
 
 def _replay(body: bytes, tail: list[Message], receive: Receive) -> Receive:
-    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}, *tail]
+    # A tail (a disconnect) means the body stopped short: replay it as unfinished.
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": bool(tail)}, *tail]
 
     async def replayed() -> Message:
         if pending:

@@ -10,6 +10,9 @@ exception                              status  body
 ``ServiceError`` subclasses            4xx/5xx ``{"detail": ...}`` (see ``errors.py``)
 ``HTTPException`` (routing, 404, 405,  as set  ``{"detail": ...}``
 413 from the body limit)
+a body that is not JSON at all         422     as a schema error, ``type: json_invalid``
+(invalid UTF-8, nested too deeply)
+``ClientDisconnected`` (middleware)    (none)  counted, one log line, no traceback
 anything else                          500     ``{"detail": "internal error (<type>)"}``,
                                                logged with its traceback and counted
 =====================================  ======  ==============================================
@@ -31,7 +34,10 @@ from starlette.exceptions import HTTPException
 
 from blendmatch.index.wire import EventValidationError
 
+from blendmatch.index.logsafe import log_safe
+
 from .errors import ServiceError
+from .middleware import ClientDisconnected
 from .metrics import ServiceMetrics
 
 __all__ = ["install_error_handlers", "format_validation_errors", "service_error_response",
@@ -85,13 +91,25 @@ def _short(value: Any) -> str:
     return text if len(text) <= _MAX_VALUE_REPR else text[: _MAX_VALUE_REPR - 3] + "..."
 
 
+def allowed_methods(app: Any, scope: Any) -> list[str]:
+    """The methods ``app`` serves at ``scope``'s path, for a 405's ``Allow`` (sorted)."""
+    from starlette.routing import Match
+
+    matching = [r for r in app.router.routes if getattr(r, "methods", None)
+                and r.matches({**scope, "method": "GET"})[0] is not Match.NONE]
+    # A literal path (GET /instances/usage) is its own resource even where a parametric one
+    # (DELETE /instances/{instance_id}) also matches it: list the literal routes' methods.
+    literal = [r for r in matching if getattr(r, "path", None) == scope.get("path")]
+    return sorted({m for r in (literal or matching) for m in r.methods})
+
+
 def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: str) -> JSONResponse:
     """The response for a :class:`ServiceError` (also used by the fast path)."""
     if exc.status_code == 503:
-        log.warning("%s: %s", where, exc.detail)
+        log.warning("%s: %s", log_safe(where), log_safe(exc.detail, 500))
     elif exc.status_code >= 500 and exc.status_code != 501:  # 501: a valid request we do not serve
         metrics.internal_errors.inc()
-        log.error("%s failed: %s", where, exc.detail)
+        log.error("%s failed: %s", log_safe(where), log_safe(exc.detail, 500))
     else:
         metrics.rejected.labels(str(exc.status_code)).inc()
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
@@ -100,9 +118,14 @@ def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: st
 def unexpected_error_response(exc: BaseException, metrics: ServiceMetrics, where: str) -> JSONResponse:
     """A JSON 500 for an exception nobody expected (a bug): logged with its traceback, counted."""
     metrics.internal_errors.inc()
-    log.error("unhandled error in %s", where, exc_info=exc)
+    log.error("unhandled error in %s", log_safe(where), exc_info=exc)
     return JSONResponse({"detail": f"internal error ({type(exc).__name__}); this is a bug, please report it"},
                         status_code=500)
+
+
+def _peer(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else "unknown"
 
 
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
@@ -125,7 +148,25 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
         return service_error_response(exc, metrics, f"{request.method} {request.url.path}")
 
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+        if isinstance(exc, ClientDisconnected):
+            metrics.client_disconnects.inc()
+            log.info("client %s disconnected during %s %s after %d body bytes", _peer(request),
+                     request.method, log_safe(request.url.path), exc.received)
+            return JSONResponse({"detail": exc.detail}, status_code=400)  # nobody is there to read it
+        cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, (ValueError, RecursionError)):
+            # FastAPI's body reader decodes JSON with json.loads and turns whatever is not a
+            # JSONDecodeError (invalid UTF-8, recursion depth) into a bare 400; the contract
+            # says a body that is not JSON is a 422 like any other schema error.
+            why = "nested too deeply" if isinstance(cause, RecursionError) else f"{type(cause).__name__}: {cause}"
+            detail, errors = format_validation_errors([{"type": "json_invalid", "loc": ("body",),
+                                                        "msg": "JSON decode error", "ctx": {"error": why[:200]}}])
+            return reject(422, {"detail": detail, "errors": errors})
         headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            # Starlette names only the first route that matched the path; one path served by
+            # several routes (GET and POST /instances) must list every method (RFC 9110 15.5.6).
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request.app, request.scope))}
         content = {"detail": exc.detail if isinstance(exc.detail, str) else str(exc.detail)}
         if exc.status_code >= 500:
             return JSONResponse(content, status_code=exc.status_code, headers=headers)

@@ -138,6 +138,9 @@ class ServiceMetrics:
             "unknown_heartbeat, deregistered, expired)", ["event"], registry=r)
         self.rejected = Counter(
             "blendmatch_http_rejected", "requests answered with a 4xx", ["status"], registry=r)
+        self.client_disconnects = Counter(
+            "blendmatch_client_disconnects", "requests whose client went away before the body was complete",
+            registry=r)
         self.internal_errors = Counter(
             "blendmatch_http_internal_errors", "requests answered with a 500 (a bug)", registry=r)
         for label in ("applied", "duplicate", "stale"):

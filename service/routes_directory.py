@@ -16,7 +16,7 @@ from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS, TokenLimitExceed
 from .context import Ctx
 from .errors import NotSupported, RequestRejected
 from .routes_lookup import ERROR_RESPONSES
-from .schemas import DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, DirectoryStatsResponse
+from .schemas import ErrorResponse, DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, DirectoryStatsResponse
 
 __all__ = ["router"]
 
@@ -55,7 +55,9 @@ def _list(directory: KeyDirectory, tier: str | None, instance_id: str | None, ba
                      for kp, t in zip(page, tokens, strict=True)]}
 
 
-@router.post("/directory/lookup", response_model=DirectoryLookupResponse, responses=ERROR_RESPONSES)
+@router.post("/directory/lookup", response_model=DirectoryLookupResponse, responses={
+    **ERROR_RESPONSES, 501: {"model": ErrorResponse, "description": "the token_ids form (blendmatch has no token "
+                                                                   "hasher; see docs/lmcache.md)"}})
 async def lookup_keys(body: DirectoryLookupRequest, ctx: Ctx) -> dict[str, Any]:
     """Placements and token ids of each key, in request order (LMCache's keys form).
 

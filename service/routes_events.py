@@ -16,17 +16,22 @@ fast as ``json.loads`` on token-heavy bodies, which dominated the ingest cost.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic_core import from_json
 
 from blendmatch.index.key_directory import ApplyReport, KeyDirectory
+from blendmatch.index.logsafe import log_safe
+from blendmatch.index.wire import parse_event_request
 
+from .access import instance_filter
 from .context import Ctx
+from .errors import Forbidden
 from .routes_lookup import ERROR_RESPONSES
 from .schemas import CacheEventsResponse
 
@@ -40,8 +45,11 @@ router = APIRouter(tags=["events"])
 EVENT_REQUEST_SCHEMA_NAME = "EventRequestModel"
 
 
-def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyReport:
-    """Events thread: JSON-decode, validate whole, apply. Raises 422-mapped errors."""
+def _decode_and_apply(directory: KeyDirectory, raw: bytes,
+                      may_act_for: Callable[[str], bool] | None = None) -> ApplyReport:
+    """Events thread: JSON-decode, validate whole, check every batch's instance id against
+    the caller's producer patterns (``may_act_for``; None: any instance), apply. Raises
+    422-mapped errors, or :class:`Forbidden` (403) with nothing applied."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
@@ -49,7 +57,15 @@ def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyReport:
     except ValueError as exc:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": str(exc)}}]) from None
-    return directory.apply_detailed(payload)
+    if may_act_for is None:
+        return directory.apply_detailed(payload)
+    parsed = parse_event_request(payload)
+    for i, batch in enumerate(parsed.batches):
+        if not may_act_for(batch.instance_id):
+            raise Forbidden(f"body.batches.{i}.instance_id: this credential may not send events for instance "
+                            f"{json.dumps(log_safe(batch.instance_id))} (its instance patterns do not match; "
+                            f"see docs/security.md); nothing was applied")
+    return directory.apply_detailed(parsed)
 
 
 @router.post(
@@ -68,7 +84,7 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
     request is a 422 naming the field, with nothing of it applied."""
     raw = await request.body()
     t0 = time.perf_counter()
-    report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw)
+    report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw, instance_filter(request.scope))
     ctx.note_ingested(len(raw))
     counts = report.counts
     ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,

@@ -18,11 +18,15 @@ import functools
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from blendmatch.index.logsafe import log_safe
+
+from .access import instance_filter
 from .context import Ctx
+from .errors import Forbidden
 from .routes_lookup import ERROR_RESPONSES
 
 __all__ = ["router", "RegisterRequest", "RegisterResponse", "HeartbeatResponse"]
@@ -33,9 +37,10 @@ router = APIRouter(tags=["instances"])
 
 
 class RegisterRequest(BaseModel):
-    """Body of ``POST /instances`` (LMCache's ``RegisterRequest``; unknown fields ignored)."""
+    """Body of ``POST /instances`` (LMCache's ``RegisterRequest``; unknown fields ignored).
+    Strict types (``false`` is not a port), as every body of this service."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     instance_id: Annotated[str, StringConstraints(strip_whitespace=True, max_length=256)] = Field(
         default="", description="blank: the coordinator generates one and returns it")
@@ -100,13 +105,19 @@ class FleetMemoryResponse(BaseModel):
 
 
 @router.post("/instances", response_model=RegisterResponse, responses={422: ERROR_RESPONSES[422]})
-async def register_instance(body: RegisterRequest, ctx: Ctx) -> dict[str, Any]:
-    """Register (or re-register) an MP server; counts as its first heartbeat."""
+async def register_instance(body: RegisterRequest, ctx: Ctx, request: Request) -> dict[str, Any]:
+    """Register (or re-register) an MP server; counts as its first heartbeat. A producer
+    credential limited to instance-id patterns may register only ids it matches (403)."""
+    may_act_for = instance_filter(request.scope)
+    if may_act_for is not None and not (body.instance_id and may_act_for(body.instance_id)):
+        raise Forbidden(f"body.instance_id: this credential may not register instance "
+                        f"{log_safe(body.instance_id)!r} (its instance patterns do not match; a blank id "
+                        "cannot match; see docs/security.md)")
     instance_id, again = ctx.registry.register(body.instance_id, body.ip, body.http_port, metadata=body.metadata,
                                                p2p_advertised_url=body.p2p_advertised_url, mq_port=body.mq_port)
     ctx.metrics.instance_events.labels("re_registered" if again else "registered").inc()
-    log.info("%s instance %s at %s:%d", "re-registered" if again else "registered", instance_id, body.ip,
-             body.http_port)
+    log.info("%s instance %s at %s:%d", "re-registered" if again else "registered", log_safe(instance_id),
+             log_safe(body.ip), body.http_port)
     return {"instance_id": instance_id, "re_registered": again}
 
 
@@ -136,7 +147,7 @@ async def deregister_instance(instance_id: str, ctx: Ctx) -> Response:
     was = ctx.registry.remove(instance_id)
     result = await ctx.run_event_task(functools.partial(ctx.directory.drop_instance, instance_id))
     ctx.metrics.instance_events.labels("deregistered").inc()
-    log.info("deregistered instance %s (%s): fenced %d L1 placements, %d keys dropped", instance_id,
+    log.info("deregistered instance %s (%s): fenced %d L1 placements, %d keys dropped", log_safe(instance_id),
              "was registered" if was else "was not registered", result.placements, result.keys)
     return Response(status_code=204)
 

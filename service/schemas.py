@@ -26,6 +26,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from blendmatch.index.tokens import B64_TOKENS_PATTERN, MAX_TOKEN_ID
 from blendmatch.index.wire_models import ObjectKeyModel
 from blendmatch.index.tokens import TokenDecodeError, check_one_form
 from blendmatch.index.types import BlendNamespace
@@ -67,10 +68,19 @@ class BlendLookupRequest(BaseModel):
     ``(model_name, cache_salt, world_size)`` scopes matches to chunks the caller stored.
     """
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # ``_one_token_form`` in JSON Schema: exactly one of the two forms is given (null = not given).
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["tokens_b64"], "properties": {"tokens_b64": {"type": "string"}, "token_ids": {"type": "null"}}},
+        {"required": ["token_ids"], "properties": {"token_ids": {"type": "array"}, "tokens_b64": {"type": "null"}}},
+    ]})
 
-    tokens_b64: str | None = Field(default=None, description="base64 of little-endian uint32 token ids")
-    token_ids: list[StrictInt] | None = Field(default=None, description="token ids (0..2^32-1)")
+    # The pattern and the item bounds are documentation (the schema says what the decoder
+    # accepts); the decoder in index/tokens.py stays the check, on the lookup thread.
+    tokens_b64: str | None = Field(default=None, description="base64 of little-endian uint32 token ids",
+                                   json_schema_extra={"pattern": B64_TOKENS_PATTERN})
+    token_ids: list[StrictInt] | None = Field(default=None, description="token ids (0..2^32-1)",
+                                              json_schema_extra={"items": {"type": "integer", "minimum": 0,
+                                                                           "maximum": MAX_TOKEN_ID}})
     model_name: str = Field(min_length=1, description="model the KV belongs to (required)")
     world_size: int = Field(default=1, ge=1, description="parallel world size of the requester")
     cache_salt: str = Field(default="", description="per-tenant isolation salt")
@@ -154,7 +164,15 @@ class DirectoryLookupRequest(BaseModel):
     valid tokens-form request is answered 501, or proxied with ``--upstream-coordinator``.
     """
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # The one-form rule in the schema too (schemathesis checks the schema against the
+    # validator): an empty list counts as absent; the tokens form needs a model name.
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"anyOf": [
+        {"required": ["keys"], "properties": {"keys": {"type": "array", "minItems": 1}},
+         "not": {"required": ["token_ids"], "properties": {"token_ids": {"type": "array", "minItems": 1}}}},
+        {"required": ["token_ids", "model_name"],
+         "properties": {"token_ids": {"type": "array", "minItems": 1}, "model_name": {"type": "string", "minLength": 1}},
+         "not": {"required": ["keys"], "properties": {"keys": {"type": "array", "minItems": 1}}}},
+    ]})
 
     keys: Annotated[list[ObjectKeyModel], Field(default_factory=list, max_length=MAX_LOOKUP_KEYS)]
     token_ids: list[StrictInt] = Field(default_factory=list)

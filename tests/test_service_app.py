@@ -248,4 +248,4 @@ async def test_fast_path_and_route_answer_identically():
         assert samples['blendmatch_lookup_latency_seconds_count{endpoint="batch"}'] == 2
         r = await client.post("/directory/blend-lookup", content=json.dumps(single).encode(),
                               headers={"content-type": "text/plain"})
-        assert r.status_code == 422  # not JSON by its content type: the route's canonical answer
+        assert r.status_code == 415  # not JSON by its content type: refused before any parsing

@@ -146,7 +146,7 @@ async def test_oversized_body_is_413_before_parsing():
         async def chunked():  # no Content-Length: the streamed bytes are counted
             for _ in range(10):
                 yield b"x" * 1000
-        r = await client.post("/events", content=chunked())
+        r = await client.post("/events", content=chunked(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and "limit" in r.json()["detail"]
         r = await client.post("/events", content=b'{"batches": []}', headers={"content-length": "abc"})
         assert r.status_code == 400
