@@ -25,7 +25,7 @@ import blendmatch
 from blendmatch.index.wire_models import EventRequestModel
 from blendmatch.index.key_directory import KeyDirectory
 
-from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops
+from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops, routes_proxy
 from .config import ServiceConfig
 from .context import ServiceContext
 from .fastpath import FastPath
@@ -85,6 +85,8 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
         # FastAPI versions match included routers through an extra layer per router, which
         # cost about half of a trivial request's time. The routes are the same objects.
         app.router.routes.extend(module.router.routes)
+    if config.upstream_coordinator:  # last: it takes only what no route above matches (routes_proxy.py)
+        app.router.routes.extend(routes_proxy.router.routes)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
