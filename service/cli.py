@@ -154,6 +154,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help=_help("seconds to connect to the upstream; an unreachable upstream is a 502"))
     g.add_argument("--upstream-queue-size", type=int, default=d["upstream_queue_size"].default,
                    help=_help("forwards waiting for the upstream; when full the oldest is dropped and counted"))
+    g.add_argument("--upstream-queue-bytes", type=int, default=d["upstream_queue_bytes"].default,
+                   help=_help("body bytes of the forwards waiting for the upstream; past it the oldest are "
+                              "dropped and counted", default="256 MiB"))
     g = p.add_argument_group("durability (docs/operations.md)")
     g.add_argument("--checkpoint-path", default=d["checkpoint_path"].default,
                    help=_help("checkpoint file, restored at start and written periodically and on a clean "
@@ -291,6 +294,7 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         graceful_timeout=args.graceful_timeout, max_ready_lag=args.max_ready_lag,
         upstream_coordinator=_with_scheme(args.upstream_coordinator), upstream_timeout=args.upstream_timeout,
         upstream_connect_timeout=args.upstream_connect_timeout, upstream_queue_size=args.upstream_queue_size,
+        upstream_queue_bytes=args.upstream_queue_bytes,
     )
 
 

@@ -101,6 +101,9 @@ class ServiceConfig(BaseModel):
                                             description="seconds to connect to the upstream coordinator")
     upstream_queue_size: int = Field(default=10_000, ge=1,
                                      description="forwards waiting for the upstream; when full the oldest is dropped")
+    upstream_queue_bytes: int = Field(default=256 << 20, ge=1,
+                                      description="body bytes of the forwards waiting for the upstream; past it "
+                                                  "the oldest are dropped")
 
     @field_validator("upstream_coordinator")
     @classmethod

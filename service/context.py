@@ -152,7 +152,8 @@ class ServiceContext:
         if config.upstream_coordinator:
             self.upstream = Upstream(config.upstream_coordinator, timeout_s=config.upstream_timeout,
                                      connect_timeout_s=config.upstream_connect_timeout,
-                                     queue_size=config.upstream_queue_size, registry=self.metrics.registry,
+                                     queue_size=config.upstream_queue_size,
+                                     queue_bytes=config.upstream_queue_bytes, registry=self.metrics.registry,
                                      registration_of=self.registration_of)
         self._events_pending = 0
         self._ingested_since_freeze = 0

@@ -18,7 +18,7 @@ coordinator URL (blendmatch's); blendmatch splits the traffic:
   back.
 
 Forwarding never makes a caller wait on the upstream: after the local apply, the original
-body is put on a bounded queue that one background task drains **in order** (events of an
+body is put on a bounded queue (items and bytes) that one background task drains **in order** (events of an
 instance must reach the upstream's gate in emission order; a registration before its
 heartbeats). When the queue is full the oldest item is dropped (counted). A transport error
 keeps the item and retries with backoff (0.1 s doubling to 5 s) until the upstream answers;
@@ -83,6 +83,10 @@ class _Item:
     instance_id: str = ""
     attempts: int = 0
 
+    @property
+    def size(self) -> int:
+        return len(self.body or b"")
+
 
 class Upstream:
     """The upstream coordinator: one pooled ``httpx.AsyncClient``, the forward queue and its
@@ -93,13 +97,15 @@ class Upstream:
     """
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, connect_timeout_s: float = 2.0,
-                 queue_size: int = 10_000, registry: CollectorRegistry | None = None,
+                 queue_size: int = 10_000, queue_bytes: int = 256 << 20, registry: CollectorRegistry | None = None,
                  registration_of: Callable[[str], Mapping[str, Any] | None] | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = min(float(connect_timeout_s), self.timeout_s)
         self.queue_size = int(queue_size)
+        self.queue_bytes = int(queue_bytes)
+        self._bytes = 0
         self._registration_of = registration_of
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
@@ -166,6 +172,7 @@ class Upstream:
             log.warning("stopping with %d forwards to the upstream coordinator %s not delivered (%s)",
                         len(self._queue), self.url, ", ".join(f"{k} {n}" for k, n in sorted(left.items())))
             self._queue.clear()
+            self._bytes = 0
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -184,12 +191,16 @@ class Upstream:
 
     # ------------------------------------------------------------------ forwarding
     def forward(self, kind: str, method: str, path: str, body: bytes | None = None, *, instance_id: str = "") -> None:
-        """Queue one call for the upstream (never waits). Full queue: the oldest is dropped."""
-        if len(self._queue) >= self.queue_size:
-            old = self._queue.popleft()
+        """Queue one call for the upstream (never waits). Full queue (``queue_size`` items or
+        ``queue_bytes`` of bodies): the oldest are dropped until the new one fits."""
+        size = len(body or b"")
+        while self._queue and (len(self._queue) >= self.queue_size or self._bytes + size > self.queue_bytes):
+            old = self._pop_head()
             self.dropped.labels(old.kind, "overflow").inc()
-            self._note_failure(f"forward queue full ({self.queue_size}); dropping the oldest ({old.kind})")
+            self._note_failure(f"forward queue full ({len(self._queue) + 1} items, {self._bytes + old.size} "
+                               f"bytes); dropping the oldest ({old.kind})")
         self._queue.append(_Item(kind, method, path, body, instance_id))
+        self._bytes += size
         self._idle.clear()
         self._wakeup.set()
 
@@ -209,7 +220,12 @@ class Upstream:
                 continue
             backoff = _BACKOFF_START_S
             if self._queue and self._queue[0] is item:  # overflow may have dropped it meanwhile
-                self._queue.popleft()
+                self._pop_head()
+
+    def _pop_head(self) -> _Item:
+        item = self._queue.popleft()
+        self._bytes -= item.size
+        return item
 
     async def _send(self, item: _Item) -> bool:
         """One attempt -> whether to retry the same item."""
@@ -254,9 +270,9 @@ class Upstream:
         log.info("upstream coordinator does not know instance %s; re-sending its registration", heartbeat.instance_id)
         register = _Item("register", "POST", "/instances", json.dumps(dict(body)).encode())
         if self._queue and self._queue[0] is heartbeat:
-            self._queue[0] = register
-        else:  # the heartbeat was dropped by an overflow meanwhile: the registration still goes first
-            self._queue.appendleft(register)
+            self._pop_head()
+        self._queue.appendleft(register)  # (if an overflow dropped the heartbeat meanwhile: still first)
+        self._bytes += register.size
         return True  # the register item now at the head goes next (after a short pause)
 
     # ------------------------------------------------------------------ proxying

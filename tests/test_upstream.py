@@ -268,6 +268,23 @@ async def test_a_full_forward_queue_drops_the_oldest():
         assert samples['blendmatch_upstream_forward_dropped_total{kind="heartbeat",reason="overflow"}'] == 2
 
 
+async def test_the_forward_queue_is_bounded_in_bytes_too():
+    cfg = config(upstream_coordinator=_closed_port_url(), upstream_queue_bytes=1200, upstream_timeout=0.2)
+    async with served(cfg) as (client, app):
+        up = app.state.blendmatch_context.upstream
+        sizes = []
+        for seq in range(1, 6):
+            raw = json.dumps(events(store("i1", seq, chunks(1, seed=seq)))).encode()
+            sizes.append(len(raw))
+            r = await client.post("/events", content=raw, headers={"content-type": "application/json"})
+            assert r.json()["applied"] == 1
+        assert 300 < sizes[0] < 600
+        kept = up.pending
+        assert kept < 5 and sum(sizes[-kept:]) <= 1200 < sum(sizes[-kept - 1:])
+        samples = metric_samples((await client.get("/metrics")).text)
+        assert samples['blendmatch_upstream_forward_dropped_total{kind="events",reason="overflow"}'] == 5 - kept
+
+
 async def test_without_upstream_unknown_paths_are_404_as_before():
     async with served() as (client, app):
         assert app.state.blendmatch_context.upstream is None
