@@ -114,7 +114,7 @@ class Upstream:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
-        # burst logging: (failures, dropped) since the last success, None while healthy
+        # burst logging: [failures] since the last success; None while healthy
         self._burst: list[int] | None = None
         self._burst_started = 0.0
         r = registry
@@ -213,7 +213,15 @@ class Upstream:
                 await self._wakeup.wait()
                 continue
             item = self._queue[0]
-            retry = await self._send(item)
+            try:
+                retry = await self._send(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug must not end forwarding: drop this one, go on
+                log.exception("forwarding %s %s to the upstream coordinator failed unexpectedly; dropped",
+                              item.method, item.path)
+                self.dropped.labels(item.kind, "gave_up").inc()
+                retry = False
             if retry:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)

@@ -36,6 +36,7 @@ class StubUpstream:
         self.received: list[dict[str, Any]] = []
         self.known: set[str] = set()
         self.hang_s = 0.0
+        self.events_status = 0  # non-zero: POST /events answers this status
         app = FastAPI()
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
@@ -64,6 +65,8 @@ class StubUpstream:
         if method == "DELETE" and path.startswith("/instances/"):
             self.known.discard(path.split("/")[2])
             return Response(status_code=204)
+        if method == "POST" and path == "/events" and self.events_status:
+            return _json({"detail": "nope"}, self.events_status)
         if method == "POST" and path == "/events":
             return _json({"applied": len(json.loads(body)["batches"]), "duplicates": 0, "stale": 0})
         if path == "/quota/config" and method == "PUT":
@@ -253,6 +256,24 @@ async def test_a_hanging_upstream_delays_no_reply(stub):
         assert r.status_code == 504 and "did not answer" in r.json()["detail"] and 0.25 < took < 0.9
         samples = metric_samples((await client.get("/metrics")).text)
         assert samples['blendmatch_upstream_proxy_requests_total{outcome="timeout"}'] == 1
+
+
+async def test_upstream_errors_are_retried_or_dropped_and_order_is_kept(stub):
+    async with served(config(upstream_coordinator=stub.url)) as (client, app):
+        stub.events_status = 503  # a 5xx: retried, then given up
+        await client.post("/events", json=events(store("i1", 1, chunks(1))))
+        await client.post("/instances", json={"instance_id": "i1", "ip": "10.0.0.2", "http_port": 8000})
+        await _idle(app)
+        assert [x["path"] for x in stub.received] == ["/events"] * 3 + ["/instances"]  # behind it, in order
+        stub.events_status = 404  # a 4xx (an upstream in Kafka mode): dropped at once
+        await client.post("/events", json=events(store("i1", 2, chunks(1, seed=2))))
+        await _idle(app)
+        assert len(stub.of("POST", "/events")) == 4
+        samples = metric_samples((await client.get("/metrics")).text)
+        assert samples['blendmatch_upstream_forward_failures_total{kind="events",reason="http_5xx"}'] == 3
+        assert samples['blendmatch_upstream_forward_dropped_total{kind="events",reason="gave_up"}'] == 1
+        assert samples['blendmatch_upstream_forward_dropped_total{kind="events",reason="rejected"}'] == 1
+        assert samples['blendmatch_upstream_forwarded_total{kind="register"}'] == 1
 
 
 async def test_a_full_forward_queue_drops_the_oldest():
