@@ -43,6 +43,10 @@ LMCache-compatible: `POST /events`, `POST /directory/blend-lookup`, `POST /direc
 `DELETE /instances/{instance_id}`, `GET /instances/usage`, `GET /instances/{instance_id}/usage`),
 `GET /healthz`. Ours: `POST /directory/blend-lookup/batch`, `GET /metrics` (Prometheus).
 Errors: 422 for schema errors, 413 for limits, always `{"detail": "..."}` naming the field.
+With `--upstream-coordinator`, every path not listed here (LMCache's quotas, pins, prefetch,
+delete) and the token form of `POST /directory/lookup` are proxied to that LMCache
+coordinator (502 unreachable, 504 no answer in time), and events and registry calls are
+forwarded to it after they are applied here.
 """
 
 
