@@ -24,10 +24,11 @@ heartbeats). When the queue is full the oldest item is dropped (counted). A tran
 keeps the item and retries with backoff (0.1 s doubling to 5 s) until the upstream answers;
 every item is idempotent upstream (an event batch sent twice is a ``duplicate`` at its gate,
 a registration twice is a re-registration), so a timeout that hid a success is harmless.
-A 5xx is retried up to ``_MAX_5XX_ATTEMPTS`` times, then dropped; a 4xx is dropped at once,
-except a heartbeat's 404 (the upstream does not know the instance: it restarted, or the
-registration was dropped): then the instance's registration is re-sent from the local
-registry, as LMCache's own ``keep_registered`` would do.
+A 429, 500, 502, 503 or 504 is retried up to ``_MAX_5XX_ATTEMPTS`` times, then dropped;
+any other error status (a 4xx, a 501) is dropped at once, except a heartbeat's 404 (the
+upstream does not know the instance: it restarted, or the registration was dropped): then
+the instance's registration is re-sent from the local registry, as LMCache's own
+``keep_registered`` would do.
 
 Failures are counted (``blendmatch_upstream_forward_failures_total{kind,reason}``,
 ``blendmatch_upstream_forward_dropped_total{kind,reason}``,
@@ -68,6 +69,9 @@ _REQUEST_HEADERS = ("content-type", "accept")
 #: recomputed: httpx has decoded the body).
 _RESPONSE_HEADERS = ("content-type", "location", "retry-after", "cache-control")
 
+#: Answers worth another attempt (the upstream is overloaded or restarting); any other error
+#: status will not change by resending (501 from a server that has no such endpoint).
+_RETRYABLE = frozenset((429, 500, 502, 503, 504))
 _MAX_5XX_ATTEMPTS = 3
 _BACKOFF_START_S = 0.1
 _BACKOFF_MAX_S = 5.0
@@ -124,7 +128,8 @@ class Upstream:
                                 "unreachable (connect error, timeout), http_4xx, http_5xx", ["kind", "reason"],
                                 registry=r)
         self.dropped = Counter("blendmatch_upstream_forward_dropped", "forwards given up: overflow (queue full, "
-                               "oldest dropped), rejected (4xx), gave_up (5xx after retries), shutdown",
+                               "oldest dropped), rejected (an error status not worth retrying), gave_up (still failing after retries), "
+                               "shutdown",
                                ["kind", "reason"], registry=r)
         self.reregistered = Counter("blendmatch_upstream_reregistrations", "registrations re-sent because the "
                                     "upstream answered a forwarded heartbeat with 404", registry=r)
@@ -254,15 +259,16 @@ class Upstream:
             return False
         if item.kind == "heartbeat" and status == 404:
             return await self._reregister(item)
-        if status >= 500:
-            self.failures.labels(item.kind, "http_5xx").inc()
+        reason = "http_5xx" if status >= 500 else "http_4xx"
+        if status in _RETRYABLE:
+            self.failures.labels(item.kind, reason).inc()
             if item.attempts < _MAX_5XX_ATTEMPTS:
                 self._note_failure(f"{item.kind} forward answered {status}; retrying")
                 return True
             self.dropped.labels(item.kind, "gave_up").inc()
             self._note_failure(f"{item.kind} forward answered {status} {_MAX_5XX_ATTEMPTS} times; dropped")
             return False
-        self.failures.labels(item.kind, "http_4xx").inc()
+        self.failures.labels(item.kind, reason).inc()
         self.dropped.labels(item.kind, "rejected").inc()
         self._note_failure(f"{item.kind} {item.method} {item.path} rejected by the upstream: {status} "
                            f"{resp.text[:200]}")
