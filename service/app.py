@@ -26,7 +26,7 @@ from blendmatch.index.wire import INT64_MAX
 from blendmatch.index.wire_models import EventRequestModel
 from blendmatch.index.key_directory import KeyDirectory
 
-from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops
+from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops, routes_proxy
 from .access import AccessControl, AccessPolicy, rule_for
 from .config import ServiceConfig
 from .context import ServiceContext
@@ -50,6 +50,10 @@ LMCache-compatible: `POST /events`, `POST /directory/blend-lookup`, `POST /direc
 Errors: 422 for schema errors, 413 for limits, always `{"detail": "..."}` naming the field.
 Access: protected by default (loopback peers only); roles, API keys and CIDR allowlists come
 from `--access-file` (401 for an unknown key, 403 for a missing role). See docs/security.md.
+With `--upstream-coordinator`, every path not listed here (LMCache's quotas, pins, prefetch,
+delete) and the token form of `POST /directory/lookup` are proxied to that LMCache
+coordinator (502 unreachable, 504 no answer in time), and events and registry calls are
+forwarded to it after they are applied here.
 """
 
 
@@ -111,6 +115,8 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
         # FastAPI versions match included routers through an extra layer per router, which
         # cost about half of a trivial request's time. The routes are the same objects.
         app.router.routes.extend(module.router.routes)
+    if config.upstream_coordinator:  # last: it takes only what no route above matches (routes_proxy.py)
+        app.router.routes.extend(routes_proxy.router.routes)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -154,6 +154,20 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                                                                           default="none"))
     a.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
                    help=_help("require client certificates signed by these CAs (mutual TLS)", default="none"))
+    g = p.add_argument_group("in front of an LMCache coordinator (docs/lmcache.md)")
+    g.add_argument("--upstream-coordinator", metavar="URL", default=d["upstream_coordinator"].default,
+                   help=_help("an existing LMCache coordinator to run in front of: endpoints not served here "
+                              "(quotas, pins, prefetch, eviction) are proxied to it, events and registry calls "
+                              "are applied here and forwarded to it; lookups never wait on it", default="none"))
+    g.add_argument("--upstream-timeout", type=float, default=d["upstream_timeout"].default,
+                   help=_help("seconds one call to the upstream may take in all; a proxied call past it is a 504"))
+    g.add_argument("--upstream-connect-timeout", type=float, default=d["upstream_connect_timeout"].default,
+                   help=_help("seconds to connect to the upstream; an unreachable upstream is a 502"))
+    g.add_argument("--upstream-queue-size", type=int, default=d["upstream_queue_size"].default,
+                   help=_help("forwards waiting for the upstream; when full the oldest is dropped and counted"))
+    g.add_argument("--upstream-queue-bytes", type=int, default=d["upstream_queue_bytes"].default,
+                   help=_help("body bytes of the forwards waiting for the upstream; past it the oldest are "
+                              "dropped and counted", default="256 MiB"))
     g = p.add_argument_group("durability (docs/operations.md)")
     g.add_argument("--checkpoint-path", default=d["checkpoint_path"].default,
                    help=_help("checkpoint file, restored at start and written periodically and on a clean "
@@ -178,8 +192,10 @@ LMCACHE_IGNORED_FLAGS: tuple[tuple[str, dict, str], ...] = (
     ("--trigger-watermark", {"type": float}, "blendmatch runs no L2 eviction controller"),
     ("--hash-algorithm", {}, "blendmatch has no token hasher (pins and the token form of /directory/lookup "
                              "are not served here)"),
-    ("--extra-config", {}, "blendmatch loads no out-of-tree controllers"),
-    ("--metadata-path", {}, "blendmatch keeps no pins or quotas"),
+    ("--extra-config", {}, "blendmatch loads no out-of-tree controllers (run in front of an LMCache coordinator "
+                           "with --upstream-coordinator to keep them)"),
+    ("--metadata-path", {}, "blendmatch keeps no pins or quotas (--upstream-coordinator proxies them to an LMCache "
+                            "coordinator)"),
     ("--disable-metrics", {"action": "store_true"}, "blendmatch serves Prometheus metrics at /metrics"),
     ("--otlp-endpoint", {}, "blendmatch serves Prometheus metrics at /metrics (no OTLP push)"),
     ("--event-transport", {"choices": ("http", "kafka")}, "blendmatch takes cache events on POST /events"),
@@ -317,9 +333,18 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         checkpoint_path=args.checkpoint_path,
         checkpoint_interval=args.checkpoint_interval, require_checkpoint=args.require_checkpoint,
         graceful_timeout=args.graceful_timeout, max_ready_lag=args.max_ready_lag,
+        upstream_coordinator=_with_scheme(args.upstream_coordinator), upstream_timeout=args.upstream_timeout,
+        upstream_connect_timeout=args.upstream_connect_timeout, upstream_queue_size=args.upstream_queue_size,
+        upstream_queue_bytes=args.upstream_queue_bytes,
         access_file=args.access_file, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         ssl_ca_certs=args.ssl_ca_certs,
     )
+
+
+def _with_scheme(url: str) -> str:
+    """``host:port`` -> ``http://host:port`` (as ``lookup --url``); empty stays empty."""
+    url = url.strip()
+    return url if not url or "://" in url else f"http://{url}"
 
 
 def uvicorn_tls_kwargs(config) -> dict[str, object]:  # config: ServiceConfig

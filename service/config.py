@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blendmatch.gpu import EngineName
 from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS
@@ -101,6 +101,28 @@ class ServiceConfig(BaseModel):
                                     description="seconds a SIGTERM/SIGINT stop may take (drain, final checkpoint)")
     max_ready_lag: int = Field(default=1000, ge=0,
                                description="with events from a log: /readyz is 503 while the lag exceeds this")
+
+    # running in front of an existing LMCache coordinator (service/upstream.py)
+    upstream_coordinator: str = Field(
+        default="", description="URL of an LMCache coordinator to proxy unknown endpoints to and to forward "
+                                "events and registry calls to; empty: none")
+    upstream_timeout: float = Field(default=5.0, gt=0.0,
+                                    description="seconds one call to the upstream coordinator may take in all")
+    upstream_connect_timeout: float = Field(default=2.0, gt=0.0,
+                                            description="seconds to connect to the upstream coordinator")
+    upstream_queue_size: int = Field(default=10_000, ge=1,
+                                     description="forwards waiting for the upstream; when full the oldest is dropped")
+    upstream_queue_bytes: int = Field(default=256 << 20, ge=1,
+                                      description="body bytes of the forwards waiting for the upstream; past it "
+                                                  "the oldest are dropped")
+
+    @field_validator("upstream_coordinator")
+    @classmethod
+    def _check_upstream(cls, url: str) -> str:
+        url = url.strip()
+        if url and not url.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
+        return url.rstrip("/")
 
     @model_validator(mode="after")
     def _check(self) -> "ServiceConfig":

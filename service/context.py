@@ -46,6 +46,7 @@ from .config import ServiceConfig
 from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
 from .metrics import ServiceMetrics
+from .upstream import Upstream
 
 __all__ = ["ServiceContext", "LookupQuery", "Ctx", "get_context", "build_directory"]
 
@@ -146,6 +147,15 @@ class ServiceContext:
         self.fatal: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._restore_task: asyncio.Future | None = None
+        #: The LMCache coordinator this one runs in front of (``--upstream-coordinator``), or
+        #: None. Forwards and proxied calls go through it; lookups never do.
+        self.upstream: Upstream | None = None
+        if config.upstream_coordinator:
+            self.upstream = Upstream(config.upstream_coordinator, timeout_s=config.upstream_timeout,
+                                     connect_timeout_s=config.upstream_connect_timeout,
+                                     queue_size=config.upstream_queue_size,
+                                     queue_bytes=config.upstream_queue_bytes, registry=self.metrics.registry,
+                                     registration_of=self.registration_of)
         self._events_pending = 0
         self._ingested_since_freeze = 0
         self.started_at = time.time()
@@ -168,6 +178,8 @@ class ServiceContext:
         if index is not None:  # on the lookup thread: the first batch pays no compilation or page-in
             await asyncio.get_running_loop().run_in_executor(self.lookups.executor, index.warm_up)
         self._start_restore()
+        if self.upstream is not None:
+            await self.upstream.start()
         if self.config.health_check_interval > 0:
             self._reaper = asyncio.create_task(self._reap_forever(), name="blendmatch-reaper")
         eng = self.engine_info()
@@ -217,6 +229,8 @@ class ServiceContext:
         if self._events_executor is not None:
             executor, self._events_executor = self._events_executor, None  # no new event tasks
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        if self.upstream is not None:  # after the events thread: every applied request has been queued
+            await self.upstream.stop()
         self.durability.stop_periodic()
         if self.durability.enabled and self.durability.restored and self.fatal is None:
             try:
@@ -289,6 +303,21 @@ class ServiceContext:
             self._events_pending -= 1
 
     # ------------------------------------------------------------------ registry
+    def registration_of(self, instance_id: str) -> dict[str, Any] | None:
+        """The ``POST /instances`` body that registers ``instance_id`` as it is registered
+        here, or None (re-registration upstream after a forwarded heartbeat's 404)."""
+        for row in self.registry.list():
+            if row["instance_id"] == instance_id:
+                return {k: row[k] for k in ("instance_id", "ip", "http_port", "metadata", "p2p_advertised_url",
+                                            "mq_port")}
+        return None
+
+    def forward(self, kind: str, method: str, path: str, body: bytes | None = None, *, instance_id: str = "") -> None:
+        """Queue a call that was applied here for the upstream coordinator, if there is one
+        (never waits; ``upstream.py``)."""
+        if self.upstream is not None:
+            self.upstream.forward(kind, method, path, body, instance_id=instance_id)
+
     async def reap_once(self) -> list[str]:
         """One reaper sweep: expire instances silent for more than ``instance_timeout`` and,
         on the events thread (in order with event batches), fence their private L1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 
 from blendmatch.index.key_directory import KeyDirectory, Placement
 from blendmatch.index.types import ObjectKey
@@ -55,19 +55,32 @@ def _list(directory: KeyDirectory, tier: str | None, instance_id: str | None, ba
                      for kp, t in zip(page, tokens, strict=True)]}
 
 
-@router.post("/directory/lookup", response_model=DirectoryLookupResponse, responses={
-    **ERROR_RESPONSES, 501: {"model": ErrorResponse, "description": "the token_ids form (blendmatch has no token "
-                                                                   "hasher; see docs/lmcache.md)"}})
-async def lookup_keys(body: DirectoryLookupRequest, ctx: Ctx) -> dict[str, Any]:
+_TOKEN_FORM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"description": "more than 1,000,000 token ids"},
+    501: {"description": "token form without --upstream-coordinator (needs the fleet's token hasher)"},
+    502: {"description": "token form, proxied: the upstream coordinator is unreachable"},
+    504: {"description": "token form, proxied: the upstream coordinator did not answer in time"},
+}
+
+
+@router.post("/directory/lookup", response_model=DirectoryLookupResponse,
+             responses={**ERROR_RESPONSES, **_TOKEN_FORM_RESPONSES})
+async def lookup_keys(body: DirectoryLookupRequest, ctx: Ctx, request: Request) -> Any:
     """Placements and token ids of each key, in request order (LMCache's keys form).
 
     The tokens form is validated as LMCache validates it (more than 1,000,000 token ids:
-    400) and then answered 501: resolving tokens to keys needs the fleet's token hasher."""
+    400) and then proxied to the upstream coordinator when there is one
+    (``--upstream-coordinator``), else answered 501: resolving tokens to keys needs the
+    fleet's token hasher."""
     if body.token_ids:
         try:
             check_token_count(len(body.token_ids), DEFAULT_MAX_REQUEST_TOKENS, "token_ids")
         except TokenLimitExceeded as exc:
             raise RequestRejected(str(exc)) from None
+        if ctx.upstream is not None:
+            proxied: Response = await ctx.upstream.proxy("POST", "/directory/lookup", b"", await request.body(),
+                                                         request.headers)
+            return proxied
         raise NotSupported("the token_ids form of /directory/lookup needs the fleet's token hasher, which "
                            "blendmatch does not have; send 'keys', use /directory/blend-lookup, or run with "
                            "--upstream-coordinator")

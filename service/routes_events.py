@@ -6,7 +6,9 @@
 bytes are handed to the events thread, which decodes the JSON, validates the request as a
 whole and applies it through the directory's ingest gate: a malformed request is a 422
 naming the field and nothing of it is applied. Per instance, batches must be sent in
-emission order; replays and stale incarnations are counted, not errors.
+emission order; replays and stale incarnations are counted, not errors. With
+``--upstream-coordinator`` an accepted request's body is then forwarded upstream as it came
+(``upstream.py``); the reply never waits for that.
 
 Why not a pydantic body parameter: validating 256 token ids per entry with pydantic costs
 more than applying them; the directory's hand-written validator does it in one pass, off
@@ -89,6 +91,8 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
     counts = report.counts
     ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,
                                report.entries_applied, report.not_indexable)
+    if counts.applied or counts.duplicates or counts.stale:  # the same bytes, for the upstream's gate
+        ctx.forward("events", "POST", "/events", raw)
     return CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale,
                                entries_applied=report.entries_applied,
                                entries_not_indexable=report.not_indexable)

@@ -8,6 +8,10 @@ its declared capacity), ``GET /instances/usage`` and ``GET /instances/{id}/usage
 bytes joined to declared capacity). The registry itself is ``blendmatch.index.registry``;
 the reaper that expires silent instances is ``ServiceContext.reap_once``.
 
+With ``--upstream-coordinator``, registration, heartbeats of known instances and
+deregistration are applied here and then forwarded upstream in order (``upstream.py``); a
+registration goes up with the id this coordinator gave it.
+
 Registry calls do not touch the directory lock except deregistration, which runs on the
 events thread so that it is ordered with the instance's event batches.
 """
@@ -15,7 +19,9 @@ events thread so that it is ordered with the instance's event batches.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+from urllib.parse import quote
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
@@ -116,6 +122,8 @@ async def register_instance(body: RegisterRequest, ctx: Ctx, request: Request) -
     instance_id, again = ctx.registry.register(body.instance_id, body.ip, body.http_port, metadata=body.metadata,
                                                p2p_advertised_url=body.p2p_advertised_url, mq_port=body.mq_port)
     ctx.metrics.instance_events.labels("re_registered" if again else "registered").inc()
+    # with the id given here, so that the upstream registers the same instance (not a second generated id)
+    ctx.forward("register", "POST", "/instances", json.dumps({**body.model_dump(), "instance_id": instance_id}).encode())
     log.info("%s instance %s at %s:%d", "re-registered" if again else "registered", log_safe(instance_id),
              log_safe(body.ip), body.http_port)
     return {"instance_id": instance_id, "re_registered": again}
@@ -127,6 +135,7 @@ async def heartbeat(instance_id: str, ctx: Ctx) -> Any:
     """Record a heartbeat; 404 (LMCache's body) for an unknown instance."""
     if ctx.registry.heartbeat(instance_id):
         ctx.metrics.instance_events.labels("heartbeat").inc()
+        ctx.forward("heartbeat", "PUT", f"/instances/{quote(instance_id, safe='')}/heartbeat", instance_id=instance_id)
         return {"instance_id": instance_id}
     ctx.metrics.instance_events.labels("unknown_heartbeat").inc()
     return JSONResponse(status_code=404, content={"error": f"unknown instance {instance_id}; re-register"})
@@ -147,6 +156,7 @@ async def deregister_instance(instance_id: str, ctx: Ctx) -> Response:
     was = ctx.registry.remove(instance_id)
     result = await ctx.run_event_task(functools.partial(ctx.directory.drop_instance, instance_id))
     ctx.metrics.instance_events.labels("deregistered").inc()
+    ctx.forward("deregister", "DELETE", f"/instances/{quote(instance_id, safe='')}")
     log.info("deregistered instance %s (%s): fenced %d L1 placements, %d keys dropped", log_safe(instance_id),
              "was registered" if was else "was not registered", result.placements, result.keys)
     return Response(status_code=204)
