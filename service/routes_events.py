@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 
 from blendmatch.index.key_directory import ApplyReport, KeyDirectory
@@ -67,6 +68,8 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
     (applied STORE entries that fed nothing to the blend index, by reason). A malformed
     request is a 422 naming the field, with nothing of it applied."""
     raw = await request.body()
+    if ctx.source is not None:  # Kafka mode: append to the topic (docs/fleet.md, reply format there)
+        return await _publish(ctx, raw)  # type: ignore[return-value]
     t0 = time.perf_counter()
     report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw)
     ctx.note_ingested(len(raw))
@@ -78,3 +81,23 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
                                entries_not_indexable=report.not_indexable)
 
 
+
+
+def _records(source: Any, raw: bytes) -> Any:
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        payload = from_json(raw)
+    except ValueError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": str(exc)}}]) from None
+    return source.event_records(payload)
+
+
+async def _publish(ctx: Any, raw: bytes) -> JSONResponse:
+    """Kafka mode: validate the request whole (422 as in HTTP mode, nothing appended), append
+    one LMCache record per batch, reply once the broker acknowledged every record:
+    ``{"published": N, "topic": T, "records": [{"partition", "offset"}, ...]}`` (200). This
+    replica applies the batches when it consumes them, like every other replica."""
+    records = await ctx.run_event_task(_records, ctx.source, raw)
+    return JSONResponse(await ctx.source.publish_events(records))
