@@ -150,7 +150,7 @@ class ServiceContext:
 
             self.source = build_kafka_source(config, directory=lambda: self.directory, registry=self.registry,
                                              metrics=self.metrics, restored=lambda: self.durability.restored,
-                                             fatal=lambda: self.fatal)
+                                             fatal=lambda: self.fatal, note_ingested=self.note_ingested)
             self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
             self.durability.lag = self.source.lag
         #: Why the server must not go on (a required checkpoint missing, an incompatible

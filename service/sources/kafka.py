@@ -47,8 +47,8 @@ from typing import Any, Callable, Optional
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client import Counter, Gauge
-from pydantic_core import from_json
 
+from blendmatch.index.json_tokens import decode_event_json
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import parse_event_request
@@ -73,7 +73,8 @@ class KafkaSource:
     """One replica's side of the log (see the module docstring)."""
 
     def __init__(self, config: Any, *, directory: Callable[[], KeyDirectory], registry: InstanceRegistry,
-                 metrics: Any, restored: Callable[[], bool], fatal: Callable[[], Optional[BaseException]]) -> None:
+                 metrics: Any, restored: Callable[[], bool], fatal: Callable[[], Optional[BaseException]],
+                 note_ingested: Callable[[int], None] = lambda n: None) -> None:
         self.config = config
         self.topic = config.kafka_topic
         self.bootstrap = config.kafka_bootstrap_servers
@@ -86,6 +87,7 @@ class KafkaSource:
         self._metrics = metrics
         self._restored = restored
         self._fatal = fatal
+        self._note_ingested = note_ingested  # the service's gc.freeze policy (ServiceContext)
         self._next: dict[int, int] = {}          # partition -> next offset to apply
         self._restored_next: Optional[dict[int, int]] = None
         self._hb_pos: dict[str, tuple[int, int]] = {}  # instance -> its last register/heartbeat record
@@ -279,7 +281,7 @@ class KafkaSource:
 
     def _apply(self, msgs: list) -> None:
         directory = self._directory()
-        ok = dup = stale = entries = n_events = 0
+        ok = dup = stale = entries = n_events = nbytes = 0
         t0 = time.perf_counter()
         with directory.pause_ingest():
             for m in msgs:
@@ -293,11 +295,12 @@ class KafkaSource:
                     continue  # already applied (a rewind after a re-assignment)
                 self._next[p] = o + 1
                 value = m.value()
+                nbytes += len(value or b"")
                 if is_control(m.headers()):
                     self._apply_control(directory, m, p, o)
                     continue
                 try:
-                    payload = from_json(value or b"")
+                    payload = decode_event_json(value or b"")
                 except ValueError as exc:
                     self._skip(p, o, "undecodable", str(exc))
                     continue
@@ -314,6 +317,7 @@ class KafkaSource:
                 ok, dup, stale = ok + c.applied, dup + c.duplicates, stale + c.stale
                 entries += report.entries_applied
                 n_events += 1
+        self._note_ingested(nbytes)
         self.records_applied += n_events
         self.entries_applied += entries
         self.m_records.labels("events").inc(n_events)
