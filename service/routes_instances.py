@@ -145,9 +145,8 @@ async def list_instances(ctx: Ctx) -> dict[str, Any]:
 async def deregister_instance(instance_id: str, ctx: Ctx) -> Response:
     """Deregister: drop the instance's private L1 placements (its L2 and shared-pool ones
     stay), its event cursor (a reconnect starts fresh) and its declared capacity.
-    Idempotent; 204 whether or not it was registered, as in LMCache. In Kafka mode the
-    deregistration is appended to the log and applied by every replica (this one before
-    the reply)."""
+    Idempotent; 204 whether or not it was registered, as in LMCache."""
+    # Kafka mode: appended to the log and applied by every replica (this one before the reply)
     if ctx.source is not None:
         await ctx.source.publish_control("deregister", instance_id)
         log.info("deregistered instance %s (appended to the log)", instance_id)
