@@ -314,8 +314,8 @@ def _serve(argv: Sequence[str]) -> int:
     try:
         config = config_from_args(args)
     except ValidationError as exc:
-        problems = "; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join((f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: " if e["loc"] else "")
+                             + e["msg"] for e in exc.errors())
         parser.error(problems)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for line in ignored_flag_warnings(args, parser):

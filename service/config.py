@@ -109,7 +109,7 @@ class ServiceConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ServiceConfig":
         if self.event_transport == "kafka" and not self.kafka_bootstrap_servers.strip():
-            raise ValueError("event_transport kafka needs kafka_bootstrap_servers")
+            raise ValueError("--event-transport kafka needs --kafka-bootstrap-servers")
         if self.max_body_bytes is None:
             object.__setattr__(self, "max_body_bytes",
                                self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES)

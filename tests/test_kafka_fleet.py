@@ -247,3 +247,25 @@ def test_resume_from_committed_offsets_without_checkpoint(kafka_bootstrap, tmp_p
             fresh.stop()
     finally:
         r.stop()
+
+
+def test_http_mode_needs_no_kafka_client_and_kafka_mode_says_what_is_missing(monkeypatch):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['confluent_kafka'] = None\n"
+            "from blendmatch.service.app import create_app\n"
+            "from blendmatch.service.config import ServiceConfig\n"
+            "create_app(ServiceConfig(engine='reference'))\n"
+            "from blendmatch.service.sources import KafkaUnavailable\n"
+            "try:\n"
+            "    create_app(ServiceConfig(engine='reference', event_transport='kafka', kafka_bootstrap_servers='k:1'))\n"
+            "except KafkaUnavailable as exc:\n"
+            "    print('unavailable:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'blendmatch[kafka]'" in out.stdout
+    with pytest.raises(ValueError, match="needs --kafka-bootstrap-servers"):
+        from blendmatch.service.config import ServiceConfig
+
+        ServiceConfig(event_transport="kafka")
