@@ -23,6 +23,7 @@ from blendmatch.service.sources.records import (ControlRecordError, control_valu
                                                 lmcache_record_value)
 from kafka_support import Replica, create_topic, end_offsets, kafka_bootstrap, lmcache_producer  # noqa: F401
 from service_support import C, MODEL, b64, hash_of, store
+from test_lmcache_compat import lmcache_site  # noqa: F401 - the fixture
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "lmcache"
 
@@ -269,3 +270,30 @@ def test_http_mode_needs_no_kafka_client_and_kafka_mode_says_what_is_missing(mon
         from blendmatch.service.config import ServiceConfig
 
         ServiceConfig(event_transport="kafka")
+
+
+@pytest.mark.kafka
+@pytest.mark.compat
+def test_lmcache_kafka_sink_feeds_a_replica(kafka_bootstrap, tmp_path, lmcache_site):
+    """LMCache 0.5.6's own KafkaCacheEventSink (its subscriber, its serializer, a real
+    producer) writes the fixture workload; a replica applies every record, skips none, and
+    answers the blend lookup LMCache's content asks for."""
+    from test_lmcache_compat import _drive
+
+    topic = create_topic(kafka_bootstrap, partitions=1)
+    got = _drive(lmcache_site, "kafka", f"{kafka_bootstrap}/{topic}")
+    assert got["sink_calls"] and all(c == "ok" for c in got["sink_calls"]), got
+    r = Replica(kafka_bootstrap, topic, "lm", f"g-{uuid.uuid4().hex[:8]}", "", chunk_size=4,
+                log_path=tmp_path / "lm.log")
+    try:
+        r.wait_up()
+        # the subscriber's flushes: config (2 batches), store, access, delete, multi_l2 (3), store again
+        _wait(lambda: r.log_stats()["records_applied"] >= 9, 20, "LMCache's records to be applied")
+        stats = r.client.get("/directory/stats").json()
+        assert stats["log"]["records_skipped"] == 0
+        assert stats["events"]["applied"] == 9 and stats["events"]["duplicates"] == 0
+        lookup = r.client.post("/directory/blend-lookup", json={"model_name": "Qwen/Qwen3-8B",
+                                                                 "token_ids": [7, 101, 102, 103, 104]})
+        assert [m["cur_st"] for m in lookup.json()["matches"]] == [1], lookup.text
+    finally:
+        r.stop()
