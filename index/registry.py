@@ -92,11 +92,19 @@ class InstanceRegistry:
         self.expirations = 0
 
     def register(self, instance_id: str, ip: str, http_port: int, *, metadata: Optional[Mapping[str, str]] = None,
-                 p2p_advertised_url: str = "", mq_port: int = 0) -> tuple[str, bool]:
+                 p2p_advertised_url: str = "", mq_port: int = 0, at: Optional[float] = None,
+                 registered_at: Optional[float] = None) -> tuple[str, bool]:
         """Insert or replace an instance -> ``(instance_id, re_registered)``. A blank id
-        gets a generated one (``mp-<32 hex>``, as LMCache). Counts as a heartbeat."""
+        gets a generated one (``mp-<32 hex>``, as LMCache). Counts as a heartbeat.
+
+        ``at`` / ``registered_at``: the heartbeat time (on the registry's clock) and the
+        wall-clock registration time to record instead of "now": a log transport passes
+        the record's timestamp, so that every replica applying the log holds the same
+        values (``service/sources/kafka.py``)."""
         instance_id = instance_id.strip() or f"mp-{uuid.uuid4().hex}"
-        record = InstanceRecord(instance_id, ip, int(http_port), self._wall(), self._clock(),
+        record = InstanceRecord(instance_id, ip, int(http_port),
+                                self._wall() if registered_at is None else float(registered_at),
+                                self._clock() if at is None else float(at),
                                 dict(metadata or {}), p2p_advertised_url, int(mq_port))
         with self._lock:
             existed = instance_id in self._instances
@@ -105,10 +113,10 @@ class InstanceRegistry:
             self.re_registrations += existed
         return instance_id, existed
 
-    def heartbeat(self, instance_id: str) -> bool:
-        """Record a heartbeat; False for an unknown instance (the caller answers 404 and the
-        server re-registers)."""
-        now = self._clock()
+    def heartbeat(self, instance_id: str, *, at: Optional[float] = None) -> bool:
+        """Record a heartbeat (at ``at`` on the registry's clock, default now); False for an
+        unknown instance (the caller answers 404 and the server re-registers)."""
+        now = self._clock() if at is None else float(at)
         with self._lock:
             record = self._instances.get(instance_id)
             if record is None:
@@ -154,6 +162,23 @@ class InstanceRegistry:
         for i in gone:
             log.warning("instance %s sent no heartbeat for more than %g s: expired (its L1 placements are fenced)",
                         log_safe(i), self.timeout_s)
+        return gone
+
+    def stale(self, now: Optional[float] = None) -> list[tuple[str, float]]:
+        """``(instance_id, last_heartbeat)`` of every instance :meth:`expire` would remove at
+        ``now``, without removing them: a fleet's reaper publishes these as expiry fences and
+        every replica removes them when it applies the fence (:meth:`expire_instance`)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            return [(i, r.last_heartbeat) for i, r in self._instances.items() if now - r.last_heartbeat > self.timeout_s]
+
+    def expire_instance(self, instance_id: str) -> bool:
+        """Remove one instance as expired (an applied expiry fence); whether it was here."""
+        with self._lock:
+            gone = self._instances.pop(instance_id, None) is not None
+            self.expirations += gone
+        if gone:
+            log.warning("instance %s expired by the fleet's reaper (its L1 placements are fenced)", instance_id)
         return gone
 
     def usage(self, directory: "KeyDirectory", instance_id: Optional[str] = None) -> Optional[dict[str, Any]]:

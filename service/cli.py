@@ -181,6 +181,26 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help=_help("seconds a SIGTERM/SIGINT stop may take: drain, final checkpoint"))
     g.add_argument("--max-ready-lag", type=int, default=d["max_ready_lag"].default,
                    help=_help("with events from a log: /readyz answers 503 while the lag exceeds this many records"))
+    g = p.add_argument_group("fleet transport (docs/fleet.md)")
+    g.add_argument("--event-transport", choices=("http", "kafka"), default=d["event_transport"].default,
+                   help=_help("http: POST /events applies here; kafka: follow the topic, and POST /events and the "
+                              "registry calls append to it", f"{coord} --event-transport"))
+    g.add_argument("--kafka-bootstrap-servers", default=d["kafka_bootstrap_servers"].default,
+                   help=_help("Kafka brokers, host:port[,host:port]; required with --event-transport kafka",
+                              f"{coord} --kafka-bootstrap-servers", default="none"))
+    g.add_argument("--kafka-topic", default=d["kafka_topic"].default,
+                   help=_help("cache-event topic; must match the MP servers' --coordinator-kafka-topic",
+                              f"{coord} --kafka-topic"))
+    g.add_argument("--kafka-group-id", default=d["kafka_group_id"].default,
+                   help=_help("prefix of this replica's offset-commit group (<id>-<replica id>) and of the "
+                              "reaper-role group (<id>-reaper)", f"{coord} --kafka-group-id"))
+    g.add_argument("--replica-id", default=d["replica_id"].default,
+                   help=_help("this replica's name; keep it stable across restarts (a StatefulSet pod name)",
+                              default="the host name"))
+    g.add_argument("--kafka-reaper-topic", default=d["kafka_reaper_topic"].default,
+                   help=_help("one-partition topic whose owner holds the reaper role", default="<topic>-reaper"))
+    g.add_argument("--kafka-session-timeout-ms", type=int, default=d["kafka_session_timeout_ms"].default,
+                   help=_help("the reaper role moves this long after its holder died"))
 
 
 #: LMCache 0.5.6 coordinator flags that mean nothing here: accepted (so that an existing
@@ -198,10 +218,6 @@ LMCACHE_IGNORED_FLAGS: tuple[tuple[str, dict, str], ...] = (
                             "coordinator)"),
     ("--disable-metrics", {"action": "store_true"}, "blendmatch serves Prometheus metrics at /metrics"),
     ("--otlp-endpoint", {}, "blendmatch serves Prometheus metrics at /metrics (no OTLP push)"),
-    ("--event-transport", {"choices": ("http", "kafka")}, "blendmatch takes cache events on POST /events"),
-    ("--kafka-bootstrap-servers", {}, "blendmatch takes cache events on POST /events"),
-    ("--kafka-topic", {}, "blendmatch takes cache events on POST /events"),
-    ("--kafka-group-id", {}, "blendmatch takes cache events on POST /events"),
 )
 
 
@@ -337,7 +353,7 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         upstream_connect_timeout=args.upstream_connect_timeout, upstream_queue_size=args.upstream_queue_size,
         upstream_queue_bytes=args.upstream_queue_bytes,
         access_file=args.access_file, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_ca_certs=args.ssl_ca_certs, **_fleet_args(args),
     )
 
 
@@ -360,6 +376,13 @@ def uvicorn_tls_kwargs(config) -> dict[str, object]:  # config: ServiceConfig
     return kw
 
 
+def _fleet_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The fleet-transport fields (absent on parsers built without those flags)."""
+    names = ("event_transport", "kafka_bootstrap_servers", "kafka_topic", "kafka_group_id", "replica_id",
+             "kafka_reaper_topic", "kafka_session_timeout_ms")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
 def _serve(argv: Sequence[str]) -> int:
     from pydantic import ValidationError
 
@@ -371,8 +394,8 @@ def _serve(argv: Sequence[str]) -> int:
     try:
         config = config_from_args(args)
     except ValidationError as exc:
-        problems = "; ".join(f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join((f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: " if e["loc"] else "")
+                             + e["msg"] for e in exc.errors())
         parser.error(problems)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .access import AccessFileError, AccessPolicy

@@ -116,6 +116,21 @@ class ServiceConfig(BaseModel):
                                       description="body bytes of the forwards waiting for the upstream; past it "
                                                   "the oldest are dropped")
 
+    # event transport (service/sources/kafka.py, docs/fleet.md); LMCache 0.5.6's names and
+    # defaults for the first four
+    event_transport: Literal["http", "kafka"] = Field(
+        default="http", description="http: POST /events applies; kafka: follow the topic (POST /events appends)")
+    kafka_bootstrap_servers: str = Field(default="", description="required with event_transport kafka")
+    kafka_topic: str = Field(default="lmcache-cache-events", min_length=1)
+    kafka_group_id: str = Field(default="lmcache-coordinator", min_length=1,
+                                description="prefix: offsets are committed under <group>-<replica id>, and "
+                                            "the reaper role is held in <group>-reaper")
+    replica_id: str = Field(default="", description="this replica's name in the fleet; empty: the host name")
+    kafka_reaper_topic: str = Field(default="", description="one-partition topic whose owner holds the reaper "
+                                                            "role; empty: <topic>-reaper")
+    kafka_session_timeout_ms: int = Field(default=10_000, ge=1000, le=300_000,
+                                          description="the reaper role moves this long after its holder died")
+
     @field_validator("upstream_coordinator")
     @classmethod
     def _check_upstream(cls, url: str) -> str:
@@ -130,6 +145,8 @@ class ServiceConfig(BaseModel):
             raise ValueError("ssl_keyfile needs ssl_certfile")
         if self.ssl_ca_certs is not None and self.ssl_certfile is None:
             raise ValueError("ssl_ca_certs (client certificates) needs ssl_certfile (the server's certificate)")
+        if self.event_transport == "kafka" and not self.kafka_bootstrap_servers.strip():
+            raise ValueError("--event-transport kafka needs --kafka-bootstrap-servers")
         if self.max_body_bytes is None:
             object.__setattr__(self, "max_body_bytes",
                                self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES)

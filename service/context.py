@@ -132,7 +132,10 @@ class ServiceContext:
             thread_initializer=lambda: _init_lookup_thread(config.effective_engine_threads),
             name="lookup",
         )
-        self.registry = InstanceRegistry(config.instance_timeout)
+        # In Kafka mode the heartbeat times are the log records' (wall clock) timestamps, so
+        # every replica's registry holds the same values (service/sources/kafka.py).
+        self.registry = (InstanceRegistry(config.instance_timeout, clock=time.time)
+                         if config.event_transport == "kafka" else InstanceRegistry(config.instance_timeout))
         self._reaper: asyncio.Task[None] | None = None
         self._events_executor: ThreadPoolExecutor | None = None
         self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
@@ -142,6 +145,16 @@ class ServiceContext:
         # goes into the checkpoint as its own section (declared capacities travel with the
         # directory section).
         self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
+        #: The Kafka event source (``--event-transport kafka``), or None for HTTP push.
+        self.source: Any = None
+        if config.event_transport == "kafka":
+            from .sources import build_kafka_source
+
+            self.source = build_kafka_source(config, directory=lambda: self.directory, registry=self.registry,
+                                             metrics=self.metrics, restored=lambda: self.durability.restored,
+                                             fatal=lambda: self.fatal, note_ingested=self.note_ingested)
+            self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
+            self.durability.lag = self.source.lag
         #: Why the server must not go on (a required checkpoint missing, an incompatible
         #: one): set by the restore; the CLI exits non-zero through ``on_fatal``.
         self.fatal: BaseException | None = None
@@ -180,6 +193,8 @@ class ServiceContext:
         self._start_restore()
         if self.upstream is not None:
             await self.upstream.start()
+        if self.source is not None:  # its threads wait for the restore (the position comes with it)
+            self.source.start()
         if self.config.health_check_interval > 0:
             self._reaper = asyncio.create_task(self._reap_forever(), name="blendmatch-reaper")
         eng = self.engine_info()
@@ -225,6 +240,8 @@ class ServiceContext:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+        if self.source is not None:  # before the final checkpoint: its position is final
+            await asyncio.get_running_loop().run_in_executor(None, self.source.stop)
         await self.lookups.stop()
         if self._events_executor is not None:
             executor, self._events_executor = self._events_executor, None  # no new event tasks
@@ -322,7 +339,11 @@ class ServiceContext:
         """One reaper sweep: expire instances silent for more than ``instance_timeout`` and,
         on the events thread (in order with event batches), fence their private L1
         placements and drop their event cursors (their declared capacity is kept, as in
-        LMCache; ``DELETE /instances/{id}`` forgets it). Logged and counted."""
+        LMCache; ``DELETE /instances/{id}`` forgets it). Logged and counted. In Kafka mode
+        only the replica holding the reaper role acts, by appending expiry fences that every
+        replica applies (``sources/kafka.py``)."""
+        if self.source is not None:
+            return await self.source.reap_once()
         expired = self.registry.expire()
         for instance_id in expired:
             result = await self.run_event_task(functools.partial(self.directory.drop_instance, instance_id,
@@ -396,6 +417,8 @@ class ServiceContext:
         stats["blend"] = stats.pop("blend_index", None) or {
             "num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0}
         stats["registry"] = self.registry.counters()
+        if self.source is not None:
+            stats["log"] = self.source.stats()
         stats["engine"] = self.engine_info()
         stats["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
                             "max_batch_tokens": self.config.max_batch_tokens,

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 
 from blendmatch.index.key_directory import ApplyReport, KeyDirectory
@@ -85,6 +86,8 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
     (applied STORE entries that fed nothing to the blend index, by reason). A malformed
     request is a 422 naming the field, with nothing of it applied."""
     raw = await request.body()
+    if ctx.source is not None:  # Kafka mode: append to the topic (docs/fleet.md, reply format there)
+        return await _publish(ctx, raw, instance_filter(request.scope))  # type: ignore[return-value]
     t0 = time.perf_counter()
     report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw, instance_filter(request.scope))
     ctx.note_ingested(len(raw))
@@ -98,3 +101,32 @@ async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
                                entries_not_indexable=report.not_indexable)
 
 
+
+
+def _records(source: Any, raw: bytes, may_act_for: Callable[[str], bool] | None = None) -> Any:
+    """Kafka mode: the request's LMCache records (validated whole by the source), after the
+    same producer instance-pattern check as HTTP mode (403, nothing appended)."""
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        payload = from_json(raw)
+    except ValueError as exc:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": str(exc)}}]) from None
+    records = source.event_records(payload)
+    if may_act_for is not None:
+        for i, batch in enumerate(payload["batches"]):
+            if not may_act_for(batch["instance_id"]):
+                raise Forbidden(f"body.batches.{i}.instance_id: this credential may not send events for instance "
+                                f"{json.dumps(log_safe(batch['instance_id']))} (its instance patterns do not "
+                                "match; see docs/security.md); nothing was appended")
+    return records
+
+
+async def _publish(ctx: Any, raw: bytes, may_act_for: Callable[[str], bool] | None = None) -> JSONResponse:
+    """Kafka mode: validate the request whole (422 as in HTTP mode, nothing appended), append
+    one LMCache record per batch, reply once the broker acknowledged every record:
+    ``{"published": N, "topic": T, "records": [{"partition", "offset"}, ...]}`` (200). This
+    replica applies the batches when it consumes them, like every other replica."""
+    records = await ctx.run_event_task(_records, ctx.source, raw, may_act_for)
+    return JSONResponse(await ctx.source.publish_events(records))

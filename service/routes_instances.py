@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import uuid
 from urllib.parse import quote
 from typing import Annotated, Any
 
@@ -119,6 +120,15 @@ async def register_instance(body: RegisterRequest, ctx: Ctx, request: Request) -
         raise Forbidden(f"body.instance_id: this credential may not register instance "
                         f"{log_safe(body.instance_id)!r} (its instance patterns do not match; a blank id "
                         "cannot match; see docs/security.md)")
+    if ctx.source is not None:  # Kafka mode: through the log, so every replica's registry agrees
+        instance_id = body.instance_id or f"mp-{uuid.uuid4().hex}"
+        again = ctx.registry.contains(instance_id)
+        await ctx.source.publish_control("register", instance_id, ip=body.ip, http_port=body.http_port,
+                                         metadata=body.metadata, p2p_advertised_url=body.p2p_advertised_url,
+                                         mq_port=body.mq_port)
+        log.info("%s instance %s at %s:%d (appended to the log)", "re-registered" if again else "registered",
+                 log_safe(instance_id), log_safe(body.ip), body.http_port)
+        return {"instance_id": instance_id, "re_registered": again}
     instance_id, again = ctx.registry.register(body.instance_id, body.ip, body.http_port, metadata=body.metadata,
                                                p2p_advertised_url=body.p2p_advertised_url, mq_port=body.mq_port)
     ctx.metrics.instance_events.labels("re_registered" if again else "registered").inc()
@@ -133,6 +143,9 @@ async def register_instance(body: RegisterRequest, ctx: Ctx, request: Request) -
             responses={404: {"model": UnknownInstance, "description": "unknown instance: re-register"}})
 async def heartbeat(instance_id: str, ctx: Ctx) -> Any:
     """Record a heartbeat; 404 (LMCache's body) for an unknown instance."""
+    if ctx.source is not None and ctx.registry.contains(instance_id):  # Kafka mode: through the log
+        await ctx.source.publish_control("heartbeat", instance_id, wait_applied=0)
+        return {"instance_id": instance_id}
     if ctx.registry.heartbeat(instance_id):
         ctx.metrics.instance_events.labels("heartbeat").inc()
         ctx.forward("heartbeat", "PUT", f"/instances/{quote(instance_id, safe='')}/heartbeat", instance_id=instance_id)
@@ -153,6 +166,11 @@ async def deregister_instance(instance_id: str, ctx: Ctx) -> Response:
     """Deregister: drop the instance's private L1 placements (its L2 and shared-pool ones
     stay), its event cursor (a reconnect starts fresh) and its declared capacity.
     Idempotent; 204 whether or not it was registered, as in LMCache."""
+    # Kafka mode: appended to the log and applied by every replica (this one before the reply)
+    if ctx.source is not None:
+        await ctx.source.publish_control("deregister", instance_id)
+        log.info("deregistered instance %s (appended to the log)", instance_id)
+        return Response(status_code=204)
     was = ctx.registry.remove(instance_id)
     result = await ctx.run_event_task(functools.partial(ctx.directory.drop_instance, instance_id))
     ctx.metrics.instance_events.labels("deregistered").inc()

@@ -126,15 +126,16 @@ class RecordingSink:
         self.sink.close()
 
 
-def emit_all(url: str, on_flush) -> RecordingSink:
+def emit_all(url: str, on_flush, sink_impl=None) -> RecordingSink:
     """Config, store, access, delete and a multi-batch L2 flush through LMCache's own
-    ``CacheEventSubscriber`` and ``HttpCacheEventSink``; ``on_flush(name)`` after each."""
+    ``CacheEventSubscriber`` and ``HttpCacheEventSink`` (or ``sink_impl``, e.g. its
+    ``KafkaCacheEventSink``); ``on_flush(name)`` after each."""
     from lmcache.v1.distributed.api import CapacitySnapshot, L1BackendType, ModuleMemoryCapacity, ObjectKey, Tier
     from lmcache.v1.distributed.internal_api import L1ObjectMeta
     from lmcache.v1.mp_coordinator.cache_events import CacheEventSubscriber, HttpCacheEventSink
     from lmcache.v1.mp_observability.event import Event, EventType
 
-    sink = RecordingSink(HttpCacheEventSink(url))
+    sink = RecordingSink(sink_impl if sink_impl is not None else HttpCacheEventSink(url))
     sub = CacheEventSubscriber(sink=sink, instance_id=INSTANCE, incarnation=INCARNATION, flush_interval=3600.0)
     cb = sub.get_subscriptions()
 
@@ -308,10 +309,21 @@ def live(url: str) -> None:
     print(json.dumps(result))
 
 
+def kafka(target: str) -> None:
+    """``BOOTSTRAP/TOPIC``: the same events through LMCache's ``KafkaCacheEventSink`` (real
+    confluent-kafka producer); prints the publish outcomes and the sink's counters."""
+    from lmcache.v1.mp_coordinator.cache_events import KafkaCacheEventSink
+    from lmcache.v1.multiprocess.config import KafkaCacheEventSinkConfig
+
+    bootstrap, topic = target.rsplit("/", 1)
+    sink = emit_all("", lambda name: None, KafkaCacheEventSink(KafkaCacheEventSinkConfig(bootstrap, topic)))
+    print(json.dumps({"sink_calls": sink.calls}))
+
+
 if __name__ == "__main__":
     site, mode, arg = sys.argv[1:4]
     install_stand_ins(site)
     import logging
 
     logging.disable(logging.INFO)  # LMCache logs every registration at INFO
-    capture(arg) if mode == "capture" else live(arg)
+    {"capture": capture, "live": live, "kafka": kafka}[mode](arg)

