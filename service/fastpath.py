@@ -32,6 +32,8 @@ from typing import Any, Awaitable, Callable
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from blendmatch.index.tokens import split_token_arrays
+
 from .context import ServiceContext
 from .errors import ServiceError
 from .handlers import service_error_response, unexpected_error_response
@@ -42,7 +44,7 @@ __all__ = ["FastPath"]
 
 log = logging.getLogger(__name__)
 
-_Answer = Callable[[ServiceContext, Any], Awaitable[bytes]]
+_Answer = Callable[[ServiceContext, Any, Any], Awaitable[bytes]]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEALTHY = b'{"status":"healthy"}'
 
@@ -84,12 +86,12 @@ class FastPath:
         body, tail = await _read_body(receive)
         model, answer = route
         try:
-            parsed = model.model_validate_json(body)  # pydantic-core's parser: ~2x json.loads + validate
+            parsed, tokens = _parse(model, body)
         except Exception:  # noqa: BLE001 - any failure: the route produces the canonical 4xx
             await self.app(scope, _replay(body, tail, receive), send)
             return
         try:
-            payload = await answer(self.context, parsed)
+            payload = await answer(self.context, parsed, tokens)
         except ServiceError as exc:  # 4xx (a token that does not decode, a limit) and 503
             await service_error_response(exc, self.context.metrics, f"POST {path}")(scope, receive, send)
             return
@@ -97,6 +99,32 @@ class FastPath:
             await unexpected_error_response(exc, self.context.metrics, f"POST {path}")(scope, receive, send)
             return
         await _reply(send, 200, payload)
+
+
+def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
+    """``(validated model, tokens)``. A body with ``token_ids`` arrays has them taken out of
+    the text as uint32 first (``split_token_arrays``: no Python int per id, ~4x faster than
+    parsing the list), the rest is validated by the route's own model with each array
+    replaced by ``[]`` (so the model accepts and rejects what it would have: every id was a
+    plain integer in range, which the model accepts, and nothing else changed); the arrays
+    go back to the queries that had them, in document order. Where that mapping could be
+    ambiguous (a ``token_ids`` key nested in an unknown field, a key given twice), the body
+    is validated as sent. Raises what validation raises."""
+    arrays = split_token_arrays(body, placeholder="empty")
+    if arrays is not None:
+        parsed = model.model_validate_json(arrays.text)
+        if isinstance(parsed, BlendLookupRequest):
+            if len(arrays) == 1 and parsed.token_ids is not None:
+                return parsed, arrays.row(0)
+        else:
+            queries = parsed.queries
+            with_ids = [i for i, q in enumerate(queries) if q.token_ids is not None]
+            if len(with_ids) == len(arrays):
+                tokens: list[Any] = [None] * len(queries)
+                for k, i in enumerate(with_ids):
+                    tokens[i] = arrays.row(k)
+                return parsed, tokens
+    return model.model_validate_json(body), None  # pydantic-core's parser: ~2x json.loads + validate
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, list[Message]]:
