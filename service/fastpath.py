@@ -7,6 +7,10 @@ solving) taking about two thirds of the loop's time per lookup. This ASGI middle
 outside them and answers exactly the requests it can answer *identically*:
 
 - ``GET /healthz``;
+- ``POST /events`` with the same header rules: the route's own ``answer_events`` (the
+  events thread decodes, validates and applies the raw body; nothing is decoded on the
+  loop), its errors answered by the app's handler functions. The framework stack cost
+  more loop time per request than a 50-entry batch's decoding does;
 - ``POST /directory/blend-lookup`` and ``POST /directory/blend-lookup/batch`` whose body
   has a ``Content-Length`` within the limit, a JSON content type, and parses and validates
   with the very models the routes use (``model_validate_json``: pydantic-core parses and
@@ -29,14 +33,18 @@ from __future__ import annotations
 import logging
 from typing import Any, Awaitable, Callable
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blendmatch.index.tokens import split_token_arrays
+from blendmatch.index.wire import EventValidationError
 
 from .context import ServiceContext
 from .errors import ServiceError
-from .handlers import service_error_response, unexpected_error_response
+from .handlers import (event_validation_error_response, service_error_response, unexpected_error_response,
+                       validation_error_response)
+from .routes_events import answer_events
 from .routes_lookup import answer_lookup, answer_lookup_batch
 from .schemas import BlendBatchLookupRequest, BlendLookupRequest
 
@@ -70,7 +78,7 @@ class FastPath:
             await _reply(send, 200, _HEALTHY)
             return
         route = self._posts.get(path) if method == "POST" else None
-        if route is None:
+        if route is None and not (method == "POST" and path == "/events"):
             await self.app(scope, receive, send)
             return
         length = -1
@@ -84,6 +92,9 @@ class FastPath:
             await self.app(scope, receive, send)  # the app answers (or rejects) it
             return
         body, tail = await _read_body(receive)
+        if route is None:
+            await self._events(scope, receive, send, body)
+            return
         model, answer = route
         try:
             parsed, tokens = _parse(model, body)
@@ -97,6 +108,26 @@ class FastPath:
             return
         except Exception as exc:  # noqa: BLE001 - a bug or an engine failure: a JSON 500
             await unexpected_error_response(exc, self.context.metrics, f"POST {path}")(scope, receive, send)
+            return
+        await _reply(send, 200, payload)
+
+    async def _events(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+        """``POST /events``: the route's own answer function (the events thread decodes,
+        validates and applies), its errors answered by the app's own handler functions."""
+        metrics = self.context.metrics
+        try:
+            payload = await answer_events(self.context, body)
+        except EventValidationError as exc:
+            await event_validation_error_response(exc, metrics)(scope, receive, send)
+            return
+        except RequestValidationError as exc:
+            await validation_error_response(exc, metrics)(scope, receive, send)
+            return
+        except ServiceError as exc:
+            await service_error_response(exc, metrics, "POST /events")(scope, receive, send)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug: a JSON 500
+            await unexpected_error_response(exc, metrics, "POST /events")(scope, receive, send)
             return
         await _reply(send, 200, payload)
 

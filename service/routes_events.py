@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import logging
 import time
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 
 from blendmatch.index.key_directory import ApplyReport, KeyDirectory
 from blendmatch.index.wire import EventValidationError, parse_event_body
 
-from .context import Ctx
+from .context import Ctx, ServiceContext
 from .routes_lookup import ERROR_RESPONSES
 from .schemas import CacheEventsResponse
 
-__all__ = ["router", "EVENT_REQUEST_SCHEMA_NAME"]
+__all__ = ["router", "EVENT_REQUEST_SCHEMA_NAME", "answer_events"]
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +60,28 @@ def _decode_and_apply(directory: KeyDirectory, raw: bytes) -> ApplyReport:
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{EVENT_REQUEST_SCHEMA_NAME}"}}}}},
 )
-async def post_events(request: Request, ctx: Ctx) -> CacheEventsResponse:
+async def post_events(request: Request, ctx: Ctx) -> Response:
     """Apply a list of cache-event batches (LMCache's ``POST /events``).
 
     The reply counts batches as LMCache does (``applied``, ``duplicates``, ``stale``) and adds
     ours: ``entries_applied`` (entries of applied batches) and ``entries_not_indexable``
     (applied STORE entries that fed nothing to the blend index, by reason). A malformed
     request is a 422 naming the field, with nothing of it applied."""
-    raw = await request.body()
+    return Response(await answer_events(ctx, await request.body()), media_type="application/json")
+
+
+async def answer_events(ctx: ServiceContext, raw: bytes) -> bytes:
+    """The reply to one ``POST /events`` body (shared by the route and the fast path):
+    decoded, validated and applied on the events thread; raises what the handlers map
+    (``RequestValidationError``, ``EventValidationError``, ``ServiceError``)."""
     t0 = time.perf_counter()
     report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw)
     ctx.note_ingested(len(raw))
     counts = report.counts
     ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,
                                report.entries_applied, report.not_indexable)
-    return CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale,
-                               entries_applied=report.entries_applied,
-                               entries_not_indexable=report.not_indexable)
+    reply = CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale,
+                                entries_applied=report.entries_applied, entries_not_indexable=report.not_indexable)
+    return reply.__pydantic_serializer__.to_json(reply)
 
 

@@ -192,3 +192,28 @@ async def test_bad_token_ids_in_large_lookups_get_the_routes_error(bad, detail):
     async with served(config()) as (client, _):
         r = await client.post("/directory/blend-lookup", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["detail"] == detail
+
+
+# ---------------------------------------------------------------------------- POST /events fast path
+
+@pytest.mark.anyio
+async def test_events_fast_path_answers_as_the_route():
+    """With a Content-Length the fast path answers; streamed (chunked, no Content-Length) the
+    FastAPI route does: replies, duplicates and every kind of error are the same bytes."""
+    rows = chunks(4, seed=9)
+    good = json.dumps(events(store("a", 1, rows[:2]))).encode()
+    good2 = json.dumps(events(store("b", 1, rows[2:], first_hash=2))).encode()
+    bad_key = good.replace(b'"kv_rank": ', b'"kv_rank": -', 1)
+    cases = [good, good, bad_key, b"{not json", b"", b'{"batches": 5}']
+
+    async def streamed(body: bytes):
+        yield body
+
+    async with served(config()) as (fast_client, _), served(config()) as (route_client, _):
+        for body in cases + [good2]:
+            fast = await fast_client.post("/events", content=body, headers={"content-type": "application/json"})
+            route = await route_client.post("/events", content=streamed(body),
+                                            headers={"content-type": "application/json"})
+            assert (fast.status_code, fast.content) == (route.status_code, route.content), body[:80]
+        stats = [(await c.get("/directory/stats")).json()["num_keys"] for c in (fast_client, route_client)]
+        assert stats[0] == stats[1] == 4
