@@ -719,26 +719,29 @@ class BlendIndex:
                 self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
                 self._o["claim"], self._k["ns"], self._k["next"])
             stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
-            offsets = self._o["offset"]
-            hashes = self._o_hash
-            qidx = cands.query_index[ci].tolist()
-            cur = cands.cur_st[ci].tolist()
-            # The per-position rule: pairs come grouped by candidate (one candidate per query
-            # position, ascending), occupants in first-indexed order; take the first whose hash
-            # this query has not seen, then skip the candidate's other occupants.
-            seen: set[tuple[int, bytes]] = set()
-            taken = -1
-            for c, q, st, occ in zip(ci.tolist(), qidx, cur, oi.tolist()):
-                if c == taken:
-                    continue
-                h = hashes[occ]
-                key = (q, h)
-                if key in seen:
-                    continue
-                seen.add(key)
-                taken = c
-                results[q].append(BlendMatch(h, int(offsets[occ]), st))
-            stats.matches = len(seen)
+            # What the per-position rule needs, copied out under the lock in bulk (no numpy
+            # scalar per pair); the rule itself then runs without holding the lock.
+            oi_list = oi.tolist()
+            old_sts = self._o["offset"][oi].tolist()
+            hashes = list(map(self._o_hash.__getitem__, oi_list))
+        qidx = cands.query_index[ci].tolist()
+        cur = cands.cur_st[ci].tolist()
+        # The per-position rule: pairs come grouped by candidate (one candidate per query
+        # position, ascending), occupants in first-indexed order; take the first whose hash
+        # this query has not seen, then skip the candidate's other occupants.
+        seen: set[tuple[int, bytes]] = set()
+        taken = -1
+        make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
+        for c, q, st, h, old in zip(ci.tolist(), qidx, cur, hashes, old_sts):
+            if c == taken:
+                continue
+            key = (q, h)
+            if key in seen:
+                continue
+            seen.add(key)
+            taken = c
+            results[q].append(make(BlendMatch, (h, old, st)))
+        stats.matches = len(seen)
 
 
 class _Repeat(Sequence):
