@@ -503,8 +503,8 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
         res.batch_histogram = _histogram(buckets0, await _batch_buckets(host, port))
     if before is not None:
         after = await _stats(host, port)
-        b0, b1 = before["batcher"], after["batcher"]
-        batches = b1["batches"] - b0["batches"]
+        b0, b1 = before.get("batcher"), after.get("batcher")  # absent on other servers (LMCache's)
+        batches = b1["batches"] - b0["batches"] if b0 and b1 else 0
         res.mean_batch = (b1["queries"] - b0["queries"]) / batches if batches else None
     if stream is not None:
         res.events_sent, res.event_entries_per_s = sent, sent / wall
