@@ -31,7 +31,7 @@ import numpy as np
 from blendmatch.gpu import ENGINE_NAMES, QueryBatch, select_engine
 from blendmatch.index import BlendIndex, BlendNamespace, SlotArray
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "run_vs_lmcache"]
 
 NS = BlendNamespace("bench-model")
 
@@ -178,6 +178,59 @@ def run(chunks: int = 100_000, chunk_size: int = 256, engine: str = "auto", quer
     return res
 
 
+def run_vs_lmcache(wheel: str, *, stubs: str | None = None, deps: Sequence[str] = (), chunks: int = 200_000,
+                   chunk_size: int = 256, engine: str = "auto", queries: int = 16, query_tokens: int = 32_768,
+                   hit_fraction: float = 0.25, repeat: int = 3, seed: int = 0,
+                   progress: bool = True) -> dict[str, Any]:
+    """``match_batch`` end to end against LMCache 0.5.6's own ``BlendIndex.match`` (one query
+    at a time, its only form) on the same chunks and queries (``lmcache_blend.workload``),
+    LMCache's side in a subprocess (its torch stand-ins stay out of this process)."""
+    import subprocess
+    from pathlib import Path
+
+    from .lmcache_blend import workload
+
+    say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
+    spec = dict(chunks=chunks, chunk_size=chunk_size, queries=queries, query_tokens=query_tokens,
+                hit_fraction=hit_fraction, seed=seed, repeat=repeat)
+    wheel_dir = Path(wheel).resolve()
+    stubs_dir = Path(stubs) if stubs else wheel_dir.parent / "stubs"
+    path = [str(stubs_dir), str(wheel_dir), *[str(d) for d in deps]]
+    if not deps and (wheel_dir.parent / "deps").is_dir():
+        path.append(str(wheel_dir.parent / "deps"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    script = Path(__file__).with_name("lmcache_blend.py")
+    say(f"vs LMCache: its BlendIndex from {wheel_dir}, {chunks:,} chunks, {queries} x {query_tokens} tokens, "
+        f"{hit_fraction:.0%} stored content")
+    got = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=env, capture_output=True, text=True,
+                         cwd=str(stubs_dir.parent), check=False)
+    if got.returncode != 0:
+        raise RuntimeError(f"LMCache's side failed (rc {got.returncode}):\n{got.stderr[-3000:]}")
+    theirs = json.loads(got.stdout.strip().splitlines()[-1])
+
+    tokens, qs = workload(chunks, chunk_size, queries, query_tokens, hit_fraction, seed)
+    idx = BlendIndex(chunk_size=chunk_size, engine=_make_engine(engine))
+    hashes = [i.to_bytes(16, "little") for i in range(chunks)]
+    offsets = (np.arange(chunks, dtype=np.int64) % 64) * chunk_size
+    for s in range(0, chunks, 1000):
+        idx.add_many(tokens[s:s + 1000], hashes[s:s + 1000], offsets[s:s + 1000], NS)
+    work = [(q, NS) for q in qs]
+    idx.match_batch(work)
+    t_all, (results, mst) = _time_best(lambda: idx.match_batch_detailed(work), repeat)
+    ours = {"windows_per_s": theirs["windows"] / t_all, "match_s": t_all, "matches": sum(map(len, results)),
+            "engine_s": mst.engine_s, "verify_s": mst.verify_s, "survivors": mst.survivors}
+    ratio = ours["windows_per_s"] / theirs["lmcache_windows_per_s"]
+    res = {"chunks": chunks, "queries": queries, "query_tokens": query_tokens, "hit_fraction": hit_fraction,
+           "ours": ours, "lmcache": theirs, "ratio": ratio}
+    say(f"vs LMCache: ours {ours['windows_per_s'] / 1e6:,.1f}M windows/s end to end ({ours['matches']} matches; "
+        f"engine {mst.engine_s * 1e3:.1f} ms, verification {mst.verify_s * 1e3:.1f} ms), LMCache "
+        f"{theirs['lmcache_windows_per_s'] / 1e6:,.1f}M windows/s ({theirs['lmcache_matches']} matches): "
+        f"{ratio:.2f}x")
+    if ours["matches"] != theirs["lmcache_matches"]:
+        say(f"vs LMCache: WARNING the match counts differ ({ours['matches']} vs {theirs['lmcache_matches']})")
+    return res
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="blendmatch bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -192,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--vs-lmcache", metavar="PATH",
+                   help="also run LMCache 0.5.6's BlendIndex on the same chunks and queries (PATH: its unzipped "
+                        "wheel; see bench/lmcache_blend.py) and print the end-to-end ratio")
+    p.add_argument("--lmcache-stubs", metavar="DIR", help="torch stand-ins for --vs-lmcache (default PATH/../stubs)")
+    p.add_argument("--vs-lmcache-only", action="store_true", help="with --vs-lmcache: skip the rest of the bench")
     a = p.parse_args(argv)
     try:
         bqs = [int(x) for x in a.batch_queries.split(",") if x]
@@ -202,9 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("need --chunks >= 1, --chunk-size >= 1, --query-tokens >= 4 chunks, batch sizes >= 1")
     if any(not 0 <= h <= 0.9 for h in hits):
         p.error("hit fractions must lie in 0..0.9")
-    res = run(chunks=a.chunks, chunk_size=a.chunk_size, engine=a.engine, query_tokens=a.query_tokens,
-              batch_queries=bqs, hit_fractions=hits, ingest_batch=a.ingest_batch, repeat=a.repeat,
-              seed=a.seed, progress=not a.quiet)
+    res: dict[str, Any] = {}
+    if not (a.vs_lmcache and a.vs_lmcache_only):
+        res = run(chunks=a.chunks, chunk_size=a.chunk_size, engine=a.engine, query_tokens=a.query_tokens,
+                  batch_queries=bqs, hit_fractions=hits, ingest_batch=a.ingest_batch, repeat=a.repeat,
+                  seed=a.seed, progress=not a.quiet)
+    if a.vs_lmcache:
+        res["vs_lmcache"] = [run_vs_lmcache(a.vs_lmcache, stubs=a.lmcache_stubs, chunks=a.chunks,
+                                            chunk_size=a.chunk_size, engine=a.engine, queries=max(bqs),
+                                            query_tokens=a.query_tokens, hit_fraction=h, repeat=a.repeat,
+                                            seed=a.seed, progress=not a.quiet) for h in hits]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

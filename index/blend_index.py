@@ -251,23 +251,42 @@ class BlendIndex:
         if n == 0 or arr.shape[1] != self.chunk_size:
             return results
         fps = chunk_fingerprints(arr)
-        with self._lock:
-            rows = self._fpmap.lookup(fps)
-            candidates = np.flatnonzero((rows < 0) & (offsets >= 0))
-            _, first = np.unique(fps[candidates], return_index=True)
-            fast = np.sort(candidates[first])
-            if fast.size == n:  # the common bulk case: every row is new content
-                self._insert_new(arr, fps, list(chunk_hashes), offsets, ns_list, results, fast)
-            elif fast.size:
-                fl = fast.tolist()
-                self._insert_new(arr[fast], fps[fast], [chunk_hashes[i] for i in fl], offsets[fast],
-                                 [ns_list[i] for i in fl], results, fast)
-            is_fast = np.zeros(n, dtype=bool)
-            is_fast[fast] = True
-            for i in np.flatnonzero(~is_fast).tolist():
-                results[i] = self._add_locked(arr[i], int(fps[i]), chunk_hashes[i], int(offsets[i]), ns_list[i])
-            self._maybe_rebuild()
+        # The lock is taken per part of ADD_MANY_ROWS_PER_LOCK rows, not for the whole call:
+        # a lookup's verification waits for it, and a 5,000-row batch held it 3-8 ms (one
+        # 256-row part: ~0.2 ms). Parts apply in order, so the results are the same as one
+        # pass (a row's duplicates in later parts find it in the fingerprint map).
+        step = self.ADD_MANY_ROWS_PER_LOCK
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            part: list[np.ndarray | None] = [None] * (hi - lo)
+            nss = _Repeat(ns_list.value, hi - lo) if isinstance(ns_list, _Repeat) else ns_list[lo:hi]
+            hashes = chunk_hashes[lo:hi] if (lo, hi) != (0, n) else chunk_hashes
+            with self._lock:
+                self._add_part_locked(arr[lo:hi], fps[lo:hi], hashes, offsets[lo:hi], nss, part)
+                self._maybe_rebuild()
+            results[lo:hi] = part
         return results
+
+    #: Rows of one ``add_many`` applied per hold of the index lock (see ``add_many``).
+    ADD_MANY_ROWS_PER_LOCK = 256
+
+    def _add_part_locked(self, arr: np.ndarray, fps: np.ndarray, chunk_hashes: Sequence[bytes],
+                         offsets: np.ndarray, ns_list: Sequence[BlendNamespace], results: list) -> None:
+        n = arr.shape[0]
+        rows = self._fpmap.lookup(fps)
+        candidates = np.flatnonzero((rows < 0) & (offsets >= 0))
+        _, first = np.unique(fps[candidates], return_index=True)
+        fast = np.sort(candidates[first])
+        if fast.size == n:  # the common bulk case: every row is new content
+            self._insert_new(arr, fps, list(chunk_hashes), offsets, ns_list, results, fast)
+        elif fast.size:
+            fl = fast.tolist()
+            self._insert_new(arr[fast], fps[fast], [chunk_hashes[i] for i in fl], offsets[fast],
+                             [ns_list[i] for i in fl], results, fast)
+        is_fast = np.zeros(n, dtype=bool)
+        is_fast[fast] = True
+        for i in np.flatnonzero(~is_fast).tolist():
+            results[i] = self._add_locked(arr[i], int(fps[i]), chunk_hashes[i], int(offsets[i]), ns_list[i])
 
     def warm_up(self) -> None:
         """Run every compiled path once on a private throw-away index with this engine and
@@ -700,26 +719,29 @@ class BlendIndex:
                 self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
                 self._o["claim"], self._k["ns"], self._k["next"])
             stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
-            offsets = self._o["offset"]
-            hashes = self._o_hash
-            qidx = cands.query_index[ci].tolist()
-            cur = cands.cur_st[ci].tolist()
-            # The per-position rule: pairs come grouped by candidate (one candidate per query
-            # position, ascending), occupants in first-indexed order; take the first whose hash
-            # this query has not seen, then skip the candidate's other occupants.
-            seen: set[tuple[int, bytes]] = set()
-            taken = -1
-            for c, q, st, occ in zip(ci.tolist(), qidx, cur, oi.tolist()):
-                if c == taken:
-                    continue
-                h = hashes[occ]
-                key = (q, h)
-                if key in seen:
-                    continue
-                seen.add(key)
-                taken = c
-                results[q].append(BlendMatch(h, int(offsets[occ]), st))
-            stats.matches = len(seen)
+            # What the per-position rule needs, copied out under the lock in bulk (no numpy
+            # scalar per pair); the rule itself then runs without holding the lock.
+            oi_list = oi.tolist()
+            old_sts = self._o["offset"][oi].tolist()
+            hashes = list(map(self._o_hash.__getitem__, oi_list))
+        qidx = cands.query_index[ci].tolist()
+        cur = cands.cur_st[ci].tolist()
+        # The per-position rule: pairs come grouped by candidate (one candidate per query
+        # position, ascending), occupants in first-indexed order; take the first whose hash
+        # this query has not seen, then skip the candidate's other occupants.
+        seen: set[tuple[int, bytes]] = set()
+        taken = -1
+        make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
+        for c, q, st, h, old in zip(ci.tolist(), qidx, cur, hashes, old_sts):
+            if c == taken:
+                continue
+            key = (q, h)
+            if key in seen:
+                continue
+            seen.add(key)
+            taken = c
+            results[q].append(make(BlendMatch, (h, old, st)))
+        stats.matches = len(seen)
 
 
 class _Repeat(Sequence):

@@ -90,7 +90,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .tokens import TokenDecodeError, decode_b64, decode_b64_many, pack_token_lists, packed_token_ids
+from .tokens import (TokenArrays, TokenDecodeError, decode_b64, decode_b64_many, pack_token_lists, packed_token_ids,
+                     split_token_arrays)
 from .types import UNKNOWN_TOKEN_OFFSET, BlendNamespace, ObjectKey, world_size_of_kv_rank
 
 __all__ = [
@@ -106,6 +107,7 @@ __all__ = [
     "EventRequest",
     "parse_event_request",
     "parse_event_batch",
+    "parse_event_body",
     "INT64_MAX",
     "KV_RANK_MAX",
 ]
@@ -369,7 +371,7 @@ def _empty_entries() -> EntryColumns:
     return EntryColumns([], [], [], [], _EMPTY_COLUMN)
 
 
-def _parse_entries(raw: Any) -> EntryColumns:
+def _parse_entries(raw: Any, arrays: Optional[TokenArrays] = None) -> EntryColumns:
     """Validate a batch's ``entries`` and convert their tokens.
 
     This is the ingest hot path, so the common case is checked column by column with C
@@ -411,12 +413,14 @@ def _parse_entries(raw: Any) -> EntryColumns:
         if ok:
             if any(map(_HAS_FIELD, raw, repeat("tokens_b64"))):
                 tokens = _b64_token_column(raw)
+            elif arrays is not None:
+                tokens = _split_token_column(_column(raw, "token_ids", _NO_TOKENS), arrays)
             else:
                 tokens = _token_column(_column(raw, "token_ids", _NO_TOKENS))
     except Exception:  # noqa: BLE001 - anything unusual: the slow path names the field
         tokens = None
     if tokens is None:
-        return _parse_entries_slow(raw)
+        return _parse_entries_slow(raw, arrays)
     return EntryColumns(hashes, scopes, sizes, offsets, tokens)
 
 
@@ -434,6 +438,23 @@ def _token_column(token_lists: list[Any]) -> Optional[TokenColumn]:
     entry-by-entry path."""
     packed = pack_token_lists(token_lists)
     return None if packed is None else TokenColumn(packed[0], packed[1], [])
+
+
+def _split_token_column(ids: list, arrays: TokenArrays) -> Optional[TokenColumn]:
+    """Fast path of a batch whose ``token_ids`` were taken out of the JSON text
+    (``tokens.split_token_arrays``): every entry's value is the ordinal of its ids in
+    ``arrays``. Consecutive ordinals (the norm: one array per entry, in order) make the
+    column a view of ``arrays.flat`` with no copy; None (the entry-by-entry path) when some
+    entry has no ``token_ids``."""
+    if set(map(type, ids)) != _INT_ONLY:
+        return None
+    n = len(ids)
+    k0 = ids[0]
+    if ids[-1] - k0 == n - 1 and ids == list(range(k0, k0 + n)):
+        starts = arrays.starts[k0:k0 + n + 1]
+        lo, hi = int(starts[0]), int(starts[-1])
+        return TokenColumn(arrays.flat[lo:hi], np.diff(starts).tolist(), [])
+    return _token_column([arrays.row(k) for k in ids])  # a key given twice in an entry: the last counts
 
 
 def _b64_token_column(raw: list) -> Optional[TokenColumn]:
@@ -455,7 +476,7 @@ def _b64_token_column(raw: list) -> Optional[TokenColumn]:
     return _token_column(decoded)
 
 
-def _parse_entries_slow(raw: list) -> EntryColumns:
+def _parse_entries_slow(raw: list, arrays: Optional[TokenArrays] = None) -> EntryColumns:
     """Entry by entry, with full validation; ``_Bad`` locations are batch-relative."""
     hashes: list[bytes] = []
     scopes: list[KeyScope] = []
@@ -467,7 +488,7 @@ def _parse_entries_slow(raw: list) -> EntryColumns:
     i = 0
     try:
         for i, entry in enumerate(raw):
-            h, scope, size, offset, tokens = _parse_entry(entry)
+            h, scope, size, offset, tokens = _parse_entry(entry, arrays)
             hashes.append(h)
             scopes.append(scope)
             sizes.append(size)
@@ -504,7 +525,7 @@ def _check_token_types(tokens: list[Any], loc: tuple) -> None:
             raise _Bad(loc + (k,), f"token ids must be integers, got {_type_name(value)} {value!r}")
 
 
-def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, Any]:
+def _parse_entry(entry: Any, arrays: Optional[TokenArrays] = None) -> tuple[bytes, KeyScope, int, int, Any]:
     """One entry, fully validated -> ``(chunk_hash, scope, size_bytes, token_offset,
     token_ids)`` (``token_ids`` as given: a list, or packed, see :func:`_packed_tokens`;
     or a non-empty ``tokens_b64`` decoded to bytes of little-endian uint32); raises ``_Bad`` (entry-relative location) naming the bad field."""
@@ -532,6 +553,8 @@ def _parse_entry(entry: Any) -> tuple[bytes, KeyScope, int, int, Any]:
     if type(offset) is not int or not UNKNOWN_TOKEN_OFFSET <= offset <= INT64_MAX:
         raise _Bad(("token_offset",), _int_reason(offset, UNKNOWN_TOKEN_OFFSET, INT64_MAX))
     tokens = entry.get("token_ids", _NO_TOKENS)
+    if arrays is not None and type(tokens) is int:  # split out of the JSON text: its ordinal
+        tokens = arrays.row(tokens)
     if type(tokens) is not list and not isinstance(tokens, _PACKED_TOKENS):
         raise _Bad(("token_ids",), f"must be a list of integers, got {_type_name(tokens)}")
     b64 = entry.get("tokens_b64")
@@ -613,11 +636,38 @@ class EventRequest:
         return sum(len(b.entries) for b in self.batches)
 
 
-def parse_event_request(payload: Any) -> EventRequest:
+def parse_event_body(raw: bytes) -> EventRequest:
+    """Decode and validate a raw ``POST /events`` body (JSON bytes) as a whole.
+
+    The ``token_ids`` arrays are parsed straight from the text into one uint32 buffer
+    (``tokens.split_token_arrays``: no Python int per token, about 4x less time per
+    256-token entry than decoding the lists); the rest of the body is decoded by
+    pydantic-core's parser and validated by :func:`parse_event_request`, with the same
+    rules and the same errors as a body decoded whole. Raises :class:`EventValidationError`
+    for a body that is not a valid request and a plain ``ValueError`` (from the JSON
+    parser, with its message) for one that is not JSON.
+    """
+    from pydantic_core import from_json
+
+    arrays = split_token_arrays(raw)
+    payload: Any = None
+    if arrays is not None:
+        try:
+            payload = from_json(arrays.text)
+        except ValueError:
+            arrays = None  # not JSON: parse the body as sent, for the message's positions
+    if arrays is None:
+        payload = from_json(raw)
+    return parse_event_request(payload, arrays=arrays)
+
+
+def parse_event_request(payload: Any, *, arrays: Optional[TokenArrays] = None) -> EventRequest:
     """Validate a decoded ``POST /events`` body (``{"batches": [...]}``) as a whole.
 
     Raises :class:`EventValidationError` naming the first bad field; then nothing of the
     request may be applied. Already-parsed input (:class:`EventRequest`) is returned as is.
+    ``arrays``: the payload was decoded from ``arrays.text`` (see :func:`parse_event_body`),
+    so each ``token_ids`` value is an ordinal into it.
     """
     if isinstance(payload, EventRequest):
         return payload
@@ -627,10 +677,10 @@ def parse_event_request(payload: Any) -> EventRequest:
     if type(raw) is not list:
         reason = "is required" if raw is None else f"must be a list, got {_type_name(raw)}"
         raise EventValidationError(("batches",), reason)
-    return EventRequest(tuple(parse_event_batch(b, loc=("batches", i)) for i, b in enumerate(raw)))
+    return EventRequest(tuple(parse_event_batch(b, loc=("batches", i), arrays=arrays) for i, b in enumerate(raw)))
 
 
-def parse_event_batch(raw: Any, *, loc: tuple = ()) -> EventBatch:
+def parse_event_batch(raw: Any, *, loc: tuple = (), arrays: Optional[TokenArrays] = None) -> EventBatch:
     """Validate one batch (the unit a log transport such as Kafka would carry).
 
     ``loc`` prefixes field paths in errors. Raises :class:`EventValidationError`.
@@ -638,12 +688,12 @@ def parse_event_batch(raw: Any, *, loc: tuple = ()) -> EventBatch:
     if isinstance(raw, EventBatch):
         return raw
     try:
-        return _parse_batch(raw)
+        return _parse_batch(raw, arrays)
     except _Bad as bad:
         raise EventValidationError(tuple(loc) + bad.loc, bad.reason) from None
 
 
-def _parse_batch(raw: Any) -> EventBatch:
+def _parse_batch(raw: Any, arrays: Optional[TokenArrays] = None) -> EventBatch:
     if type(raw) is not dict:
         raise _Bad((), f"must be an object, got {_type_name(raw)}")
     instance_id = raw.get("instance_id")
@@ -676,7 +726,7 @@ def _parse_batch(raw: Any) -> EventBatch:
     elif event_type == "config":
         raise _Bad(("entries",), "config batches carry no entries")
     else:
-        entries = _parse_entries(raw_entries)
+        entries = _parse_entries(raw_entries, arrays)
     return EventBatch(
         instance_id=_INTERN.name(instance_id), incarnation=incarnation, seq=seq,
         event_type=_INTERN.name(event_type), tier=_INTERN.name(tier), backend=_INTERN.name(backend),

@@ -41,7 +41,7 @@ from .middleware import ClientDisconnected
 from .metrics import ServiceMetrics
 
 __all__ = ["install_error_handlers", "format_validation_errors", "service_error_response",
-           "unexpected_error_response"]
+           "unexpected_error_response", "validation_error_response", "event_validation_error_response"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,21 @@ def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: st
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
 
 
+def validation_error_response(exc: RequestValidationError, metrics: ServiceMetrics) -> JSONResponse:
+    """The 422 for a schema error (also used by the fast path)."""
+    detail, errors = format_validation_errors(exc.errors())
+    metrics.rejected.labels("422").inc()
+    return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
+
+
+def event_validation_error_response(exc: EventValidationError, metrics: ServiceMetrics) -> JSONResponse:
+    """The 422 for a malformed event request (also used by the fast path)."""
+    loc = ["body", *exc.loc]
+    metrics.rejected.labels("422").inc()
+    return JSONResponse({"detail": f"{_path(loc)}: {exc.reason}",
+                         "errors": [{"loc": loc, "msg": exc.reason, "type": "value_error"}]}, status_code=422)
+
+
 def unexpected_error_response(exc: BaseException, metrics: ServiceMetrics, where: str) -> JSONResponse:
     """A JSON 500 for an exception nobody expected (a bug): logged with its traceback, counted."""
     metrics.internal_errors.inc()
@@ -136,13 +151,10 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
         return JSONResponse(content, status_code=status)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        detail, errors = format_validation_errors(exc.errors())
-        return reject(422, {"detail": detail, "errors": errors})
+        return validation_error_response(exc, metrics)
 
     async def on_event_validation(request: Request, exc: EventValidationError) -> JSONResponse:
-        loc = ["body", *exc.loc]
-        detail = f"{_path(loc)}: {exc.reason}"
-        return reject(422, {"detail": detail, "errors": [{"loc": loc, "msg": exc.reason, "type": "value_error"}]})
+        return event_validation_error_response(exc, metrics)
 
     async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
         return service_error_response(exc, metrics, f"{request.method} {request.url.path}")

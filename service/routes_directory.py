@@ -16,7 +16,7 @@ from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS, TokenLimitExceed
 from .context import Ctx
 from .errors import NotSupported, RequestRejected
 from .routes_lookup import ERROR_RESPONSES
-from .schemas import ErrorResponse, DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, DirectoryStatsResponse
+from .schemas import DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, DirectoryStatsResponse
 
 __all__ = ["router"]
 

@@ -50,10 +50,12 @@ def query_of(body: BlendLookupRequest, where: str = "body") -> LookupQuery:
         raise InvalidRequest(f"{where}.{exc}") from None
 
 
-async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest) -> bytes:
-    """The answer to one validated blend lookup (shared by the route and the fast path)."""
+async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest, tokens: Any = None) -> bytes:
+    """The answer to one validated blend lookup (shared by the route and the fast path).
+    ``tokens``: the query's ids already taken out of the body as uint32 (the fast path's
+    ``split_token_arrays``), in place of ``body.token_ids``."""
     t0 = time.perf_counter()
-    query = query_of(body)
+    query = (tokens, body.namespace) if tokens is not None else query_of(body)
     ctx.check_tokens(query_tokens(query))
     try:
         payload = await ctx.lookup(query)
@@ -63,10 +65,12 @@ async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest) -> bytes:
     return payload
 
 
-async def answer_lookup_batch(ctx: ServiceContext, body: BlendBatchLookupRequest) -> bytes:
-    """The answer to one validated batch lookup (shared by the route and the fast path)."""
+async def answer_lookup_batch(ctx: ServiceContext, body: BlendBatchLookupRequest, tokens: Any = None) -> bytes:
+    """The answer to one validated batch lookup (shared by the route and the fast path).
+    ``tokens``: per query, its ids already decoded (or None: decode its fields)."""
     t0 = time.perf_counter()
-    queries = [query_of(q, f"body.queries.{i}") for i, q in enumerate(body.queries)]
+    queries = [(tokens[i], q.namespace) if tokens is not None and tokens[i] is not None
+               else query_of(q, f"body.queries.{i}") for i, q in enumerate(body.queries)]
     ctx.check_tokens(sum(query_tokens(q) for q in queries))
     parts = await ctx.lookup_many(queries)
     for i, part in enumerate(parts):

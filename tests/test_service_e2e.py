@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -106,3 +109,37 @@ def test_loadtest_refuses_non_loopback_servers():
 
     with pytest.raises(SystemExit, match="loopback"):
         loadtest.main(["--url", "http://10.0.0.1:9300", "--duration", "1"])
+
+
+def test_loadtest_batch_histogram_from_cumulative_buckets():
+    from blendmatch.bench import loadtest
+
+    before = {"1.0": 2, "2.0": 3, "4.0": 3, "+Inf": 3}
+    after = {"1.0": 5, "2.0": 6, "4.0": 10, "+Inf": 11}
+    assert loadtest._histogram(before, after) == {"1": 3, "3-4": 4, "5-inf": 1}  # empty ranges left out
+    assert loadtest._request_body(b"POST /x HTTP/1.1\r\nHost: h\r\n\r\n{}") == ("POST", "/x", b"{}")
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install wrk)")
+def test_loadtest_wrk_generator_against_a_live_server():
+    import asyncio
+
+    from blendmatch.bench import loadtest
+
+    workload = loadtest.Workload(chunk_size=C, chunks=300, tokens=512, matches_per_query=3, pool=8)
+    with ServerThread(create_app(config())) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        async def go():
+            await loadtest.fill("127.0.0.1", port, workload)
+            reqs = loadtest._lookup_requests(f"127.0.0.1:{port}", workload, "ids")
+            return await loadtest.run_phase("127.0.0.1", port, config="t", phase="lookup+events", requests=reqs,
+                                            tokens=workload.tokens, clients=4, duration=1, max_requests=10**6,
+                                            chunk_size=C, event_rate=200, event_batch=10, generator="wrk",
+                                            server_pid=os.getpid())
+
+        r = asyncio.run(go())
+    assert r.generator == "wrk" and r.requests > 0 and r.errors == 0 and r.event_errors == 0
+    assert r.p50_ms <= r.p99_ms <= r.p999_ms <= r.max_ms
+    assert r.server_cpu_us_per_req is not None and r.server_cpu_us_per_req > 0
+    assert sum(r.batch_histogram.values()) >= 1

@@ -48,10 +48,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client import Counter, Gauge
 
-from blendmatch.index.json_tokens import decode_event_json
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.registry import InstanceRegistry
-from blendmatch.index.wire import parse_event_request
+from blendmatch.index.wire import EventValidationError, parse_event_body, parse_event_request
 
 from ..errors import ServiceUnavailable
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
@@ -299,14 +298,17 @@ class KafkaSource:
                 if is_control(m.headers()):
                     self._apply_control(directory, m, p, o)
                     continue
-                try:
-                    payload = decode_event_json(value or b"")
-                except ValueError as exc:
+                try:  # the one event-body parser (token_ids straight to uint32), as POST /events
+                    parsed = parse_event_body(value or b"")
+                except EventValidationError as exc:  # nothing of the record applied
+                    self._skip(p, o, "invalid", str(exc))
+                    continue
+                except ValueError as exc:  # not JSON
                     self._skip(p, o, "undecodable", str(exc))
                     continue
                 try:
-                    report = directory.apply_detailed(payload)
-                except ValueError as exc:  # EventValidationError: nothing of the record applied
+                    report = directory.apply_detailed(parsed)
+                except ValueError as exc:
                     self._skip(p, o, "invalid", str(exc))
                     continue
                 except Exception as exc:  # noqa: BLE001 - a poison record never stalls the partition
