@@ -23,9 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -35,6 +32,8 @@ import httpx
 import numpy as np
 
 from blendmatch.service.client import BlendClient
+
+from .loadtest import spawn_server, stop_server
 
 MODEL = "bench-model"
 
@@ -59,41 +58,6 @@ class Result:
     @property
     def requests_per_s(self) -> float:
         return self.requests / self.seconds
-
-
-# ---------------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(chunk_size: int, engine: str) -> tuple[subprocess.Popen, str]:
-    """``blendmatch serve`` on a free loopback port; returns once ``/healthz`` answers."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "blendmatch", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--chunk-size", str(chunk_size), "--engine", engine, "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    stop_server(proc)
-    raise SystemExit(f"server did not come up: {' '.join(cmd)}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def store_chunks(url: str, rows: np.ndarray) -> None:
@@ -199,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = np.random.default_rng(1).integers(0, 50_000, size=(args.chunks, args.chunk_size), dtype=np.uint32)
     queries = make_queries(rows, args.queries, args.tokens, args.matches, seed=2)
-    proc, url = start_server(args.chunk_size, args.engine)
+    # the load test's server start (free loopback port, waits for /healthz)
+    proc, url = spawn_server(["--chunk-size", str(args.chunk_size), "--engine", args.engine, "--log-level", "warning"])
     try:
         store_chunks(url, rows)
         common = dict(concurrency=args.concurrency, duration=args.duration, warmup=args.warmup,

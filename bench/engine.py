@@ -31,6 +31,8 @@ import numpy as np
 from blendmatch.gpu import ENGINE_NAMES, QueryBatch, select_engine
 from blendmatch.index import BlendIndex, BlendNamespace, SlotArray
 
+from .lmcache_blend import planted_queries
+
 __all__ = ["main", "run", "run_vs_lmcache"]
 
 NS = BlendNamespace("bench-model")
@@ -52,24 +54,6 @@ def _make_engine(name: str):
 
         return XpEngine(xp=np)
     return select_engine(name)
-
-
-def _queries(rng: np.random.Generator, chunks: np.ndarray, n: int, length: int, hit_fraction: float,
-             chunk_size: int) -> list[np.ndarray]:
-    """``n`` queries of ``length`` tokens; about ``hit_fraction`` of their tokens are indexed
-    chunks, placed at random (unaligned) positions among random tokens."""
-    out = []
-    n_hits = int(round(hit_fraction * length / chunk_size))
-    for _ in range(n):
-        q = rng.integers(0, 1 << 31, size=length, dtype=np.uint32)
-        if n_hits:
-            slots = np.sort(rng.choice(length // chunk_size - 1, size=n_hits, replace=False))
-            jitter = rng.integers(0, chunk_size // 2, size=n_hits)
-            for k, (s, j) in enumerate(zip(slots, jitter)):
-                pos = int(s) * chunk_size + int(j)
-                q[pos:pos + chunk_size] = chunks[int(rng.integers(0, chunks.shape[0]))]
-        out.append(q)
-    return out
 
 
 def _time_best(fn, repeat: int) -> tuple[float, Any]:
@@ -132,7 +116,7 @@ def run(chunks: int = 100_000, chunk_size: int = 256, engine: str = "auto", quer
     res["table_size"], res["table_load"] = st["table_size"], st["table_load"]
 
     # -- filter sharpness on a no-hit workload, same table size and load -----------------
-    nohit = _queries(rng, tokens, max(batch_queries), query_tokens, 0.0, chunk_size)
+    nohit = planted_queries(rng, tokens, max(batch_queries), query_tokens, 0.0, chunk_size)
     batch = QueryBatch.from_queries(nohit, chunk_size, 1)
     tagged = idx.slots
     occupancy = SlotArray("occupancy")
@@ -152,7 +136,7 @@ def run(chunks: int = 100_000, chunk_size: int = 256, engine: str = "auto", quer
     # -- matching throughput ---------------------------------------------------------------
     rows = []
     for hit in hit_fractions:
-        qs = _queries(rng, tokens, max(batch_queries), query_tokens, hit, chunk_size)
+        qs = planted_queries(rng, tokens, max(batch_queries), query_tokens, hit, chunk_size)
         for bq in batch_queries:
             batch = QueryBatch.from_queries(qs[:bq], chunk_size, 1)
             eng.probe(batch, idx.slots)  # warm-up (compile, device buffers)

@@ -19,7 +19,26 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["workload"]
+__all__ = ["planted_queries", "workload"]
+
+
+def planted_queries(rng: np.random.Generator, chunks: np.ndarray, n: int, length: int, hit_fraction: float,
+                    chunk_size: int) -> list[np.ndarray]:
+    """``n`` queries of ``length`` tokens; about ``hit_fraction`` of their tokens are rows of
+    ``chunks``, placed at random (unaligned) positions among random tokens. The one query
+    generator of the benchmarks (``engine.py`` calls it too)."""
+    out = []
+    n_hits = int(round(hit_fraction * length / chunk_size))
+    for _ in range(n):
+        q = rng.integers(0, 1 << 31, size=length, dtype=np.uint32)
+        if n_hits:
+            slots = np.sort(rng.choice(length // chunk_size - 1, size=n_hits, replace=False))
+            jitter = rng.integers(0, chunk_size // 2, size=n_hits)
+            for s, j in zip(slots, jitter):
+                pos = int(s) * chunk_size + int(j)
+                q[pos:pos + chunk_size] = chunks[int(rng.integers(0, chunks.shape[0]))]
+        out.append(q)
+    return out
 
 
 def workload(chunks: int, chunk_size: int, queries: int, query_tokens: int, hit_fraction: float,
@@ -28,18 +47,7 @@ def workload(chunks: int, chunk_size: int, queries: int, query_tokens: int, hit_
     ``hit_fraction`` of the tokens are stored chunks at random unaligned positions."""
     rng = np.random.default_rng([seed, 99])
     tokens = rng.integers(0, 1 << 31, size=(chunks, chunk_size), dtype=np.uint32)
-    out = []
-    n_hits = int(round(hit_fraction * query_tokens / chunk_size))
-    for _ in range(queries):
-        q = rng.integers(0, 1 << 31, size=query_tokens, dtype=np.uint32)
-        if n_hits:
-            slots = np.sort(rng.choice(query_tokens // chunk_size - 1, size=n_hits, replace=False))
-            jitter = rng.integers(0, chunk_size // 2, size=n_hits)
-            for s, j in zip(slots, jitter):
-                pos = int(s) * chunk_size + int(j)
-                q[pos:pos + chunk_size] = tokens[int(rng.integers(0, chunks))]
-        out.append(q)
-    return tokens, out
+    return tokens, planted_queries(rng, tokens, queries, query_tokens, hit_fraction, chunk_size)
 
 
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
