@@ -157,6 +157,9 @@ def _verify_nb(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask
     return out_c[:k], out_o[:k], misses, ns_skip, rejects
 
 
+_EMPTY_LIST_BYTES = sys.getsizeof([])
+
+
 class BlendIndex:
     """The host truth of blend lookups. See the module docstring for semantics."""
 
@@ -700,7 +703,10 @@ class BlendIndex:
             self._rebuilds += 1
 
     def _memory_bytes_locked(self) -> int:
-        hashes = sys.getsizeof(self._o_hash) + self._hash_bytes  # O(1): scraped by /metrics
+        # O(1): scraped by /metrics. The hash list by its length, not its capacity: the
+        # capacity depends on how the list grew (one insert of 5,000 or 200 of 25), and
+        # replicas that applied the same log in different runs must report the same state.
+        hashes = _EMPTY_LIST_BYTES + 8 * len(self._o_hash) + self._hash_bytes
         return (self._tokens.nbytes() + self._fpmap.nbytes() + self._c.nbytes() + self._o.nbytes()
                 + self._k.nbytes() + int(self._slots.table.nbytes) + hashes)
 
