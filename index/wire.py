@@ -106,6 +106,7 @@ __all__ = [
     "EventBatch",
     "EventRequest",
     "parse_event_request",
+    "split_event_body",
     "parse_event_batch",
     "parse_event_body",
     "INT64_MAX",
@@ -636,20 +637,35 @@ class EventRequest:
         return sum(len(b.entries) for b in self.batches)
 
 
-def parse_event_body(raw: bytes) -> EventRequest:
+#: ``parse_event_body``'s default: split the token arrays out of the body itself.
+_SPLIT_HERE: Any = object()
+
+
+def split_event_body(raw: bytes) -> Optional[TokenArrays]:
+    """The first stage of :func:`parse_event_body`, for a caller that runs it elsewhere:
+    the ``token_ids`` arrays taken out of ``raw`` (``tokens.split_token_arrays``). It runs
+    without the GIL and builds no Python object per token, so a Kafka replica splits run
+    k+1 on its fetch thread while the apply thread validates and applies run k. Pass the
+    result to ``parse_event_body(raw, arrays=...)``."""
+    return split_token_arrays(raw)
+
+
+def parse_event_body(raw: bytes, *, arrays: Optional[TokenArrays] = _SPLIT_HERE) -> EventRequest:
     """Decode and validate a raw ``POST /events`` body (JSON bytes) as a whole.
 
     The ``token_ids`` arrays are parsed straight from the text into one uint32 buffer
     (``tokens.split_token_arrays``: no Python int per token, about 4x less time per
     256-token entry than decoding the lists); the rest of the body is decoded by
     pydantic-core's parser and validated by :func:`parse_event_request`, with the same
-    rules and the same errors as a body decoded whole. Raises :class:`EventValidationError`
+    rules and the same errors as a body decoded whole. ``arrays``: what
+    :func:`split_event_body` returned for ``raw``, when the split ran elsewhere. Raises :class:`EventValidationError`
     for a body that is not a valid request and a plain ``ValueError`` (from the JSON
     parser, with its message) for one that is not JSON.
     """
     from pydantic_core import from_json
 
-    arrays = split_token_arrays(raw)
+    if arrays is _SPLIT_HERE:
+        arrays = split_token_arrays(raw)
     payload: Any = None
     if arrays is not None:
         try:
