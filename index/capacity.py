@@ -21,9 +21,12 @@ Neither class locks: the directory calls them with its own lock held. ``snapshot
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Optional
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
-__all__ = ["UNDECLARED_CAPACITY", "CapacityDeclarations", "Compartment", "UsageLedger", "usage_ratio"]
+from .placements import SHARED_POOL_INSTANCE as SHARED_POOL
+
+__all__ = ["UNDECLARED_CAPACITY", "CapacityDeclarations", "Compartment", "UsageLedger", "instance_usage_report",
+           "usage_ratio", "usage_report"]
 
 #: "No cap declared": real caps are positive, so an unlimited backend declaring 0 must not
 #: read as permanently full.
@@ -137,3 +140,45 @@ class UsageLedger:
         for (owner, tier, backend), n in self.by_owner.items():
             out.setdefault(owner, {})[(tier, backend)] = n
         return out
+
+
+def usage_report(owners: Mapping[str, Mapping[tuple[str, str], int]], declared: Mapping[str, Sequence[Any]],
+                 registered: Iterable[str] = ()) -> dict[str, Any]:
+    """LMCache's ``GET /instances/usage`` body from the ledger's bytes per owner and the
+    declarations: every instance that is registered, holds bytes or declared capacity, and
+    the shared pools counted once (capacity only where every declaring instance agrees)."""
+    registered = set(registered)
+    instances = [instance_usage_report(inst, owners.get(inst, {}), declared.get(inst, ()), inst in registered)
+                 for inst in sorted(registered | (set(owners) - {SHARED_POOL}) | set(declared))]
+    claims: dict[tuple[str, str], set[int]] = {}
+    for comps in declared.values():
+        for c in comps:
+            if c.shared:
+                claims.setdefault((c.tier, c.backend), set()).add(c.capacity_bytes)
+    shared = [_module_usage(t, b, used, _agreed(claims.get((t, b))), True)
+              for (t, b), used in sorted(owners.get(SHARED_POOL, {}).items())]
+    return {"instances": instances, "shared_modules": shared}
+
+
+def _module_usage(tier: str, backend: str, used: int, capacity: int, shared: bool) -> dict[str, Any]:
+    return {"tier": tier, "backend": backend, "shared": shared, "used_bytes": used, "capacity_bytes": capacity,
+            "usage_ratio": usage_ratio(used, capacity)}
+
+
+def instance_usage_report(instance_id: str, used: Mapping[tuple[str, str], int], declared: Sequence[Any],
+                    registered: bool) -> dict[str, Any]:
+    """LMCache's ``InstanceMemoryStatus``: private compartments sorted by (tier, backend);
+    declared-but-empty compartments report 0 bytes; shared ones are fleet-level."""
+    caps = {(c.tier, c.backend): c.capacity_bytes for c in declared}
+    modules = {(t, b): _module_usage(t, b, n, caps.get((t, b), 0), False) for (t, b), n in used.items()}
+    for c in declared:
+        if not c.shared and (c.tier, c.backend) not in modules:
+            modules[(c.tier, c.backend)] = _module_usage(c.tier, c.backend, 0, c.capacity_bytes, False)
+    return {"instance_id": instance_id, "registered": registered, "declared_capacity": bool(declared),
+            "modules": [modules[k] for k in sorted(modules)]}
+
+
+def _agreed(values: Optional[set[int]]) -> int:
+    """A shared pool's capacity: the one value every declaring instance agrees on, else 0
+    (undeclared: picking one would depend on declaration order)."""
+    return next(iter(values)) if values and len(values) == 1 else 0

@@ -74,7 +74,7 @@ import numpy as np
 from blendmatch.gpu import Engine
 
 from .blend_index import BlendIndex
-from .capacity import CapacityDeclarations, UsageLedger, usage_ratio
+from .capacity import CapacityDeclarations, UsageLedger, instance_usage_report, usage_report
 from .gate import Admission, IngestGate
 from .logsafe import log_safe
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
@@ -514,20 +514,10 @@ class KeyDirectory:
         (``registered``), holds bytes or declared capacity, with its private compartments
         (used bytes joined to declared capacity, ``usage_ratio`` None when undeclared), and
         the shared pools counted once (capacity only where every declaring instance agrees)."""
-        registered = set(registered)
         with self._lock:
             owners = self._usage.owners()
             declared = {inst: self._capacity.get(inst) for inst in self._capacity.instances()}
-        instances = [_instance_usage(inst, owners.get(inst, {}), declared.get(inst, ()), inst in registered)
-                     for inst in sorted(registered | (set(owners) - {SHARED_POOL_INSTANCE}) | set(declared))]
-        claims: dict[tuple[str, str], set[int]] = {}
-        for comps in declared.values():
-            for c in comps:
-                if c.shared:
-                    claims.setdefault((c.tier, c.backend), set()).add(c.capacity_bytes)
-        shared = [_module_usage(t, b, used, _agreed(claims.get((t, b))), True)
-                  for (t, b), used in sorted(owners.get(SHARED_POOL_INSTANCE, {}).items())]
-        return {"instances": instances, "shared_modules": shared}
+        return usage_report(owners, declared, registered)
 
     def instance_usage(self, instance_id: str, registered: bool) -> Optional[dict[str, Any]]:
         """One instance's entry of :meth:`usage`, or None when it is unknown (not
@@ -537,7 +527,7 @@ class KeyDirectory:
             declared = self._capacity.get(instance_id)
         if not registered and not used and not declared:
             return None
-        return _instance_usage(instance_id, used, declared, registered)
+        return instance_usage_report(instance_id, used, declared, registered)
 
     def rebuild_usage(self) -> None:
         """Recompute the usage ledger (bytes per owner/tier/backend, count and bytes per tier)
@@ -1130,27 +1120,3 @@ def _own_copy(view: np.ndarray) -> np.ndarray:
     out = view.copy()
     out.setflags(write=False)
     return out
-
-
-def _module_usage(tier: str, backend: str, used: int, capacity: int, shared: bool) -> dict[str, Any]:
-    return {"tier": tier, "backend": backend, "shared": shared, "used_bytes": used, "capacity_bytes": capacity,
-            "usage_ratio": usage_ratio(used, capacity)}
-
-
-def _instance_usage(instance_id: str, used: Mapping[tuple[str, str], int], declared: Sequence[Any],
-                    registered: bool) -> dict[str, Any]:
-    """LMCache's ``InstanceMemoryStatus``: private compartments sorted by (tier, backend);
-    declared-but-empty compartments report 0 bytes; shared ones are fleet-level."""
-    caps = {(c.tier, c.backend): c.capacity_bytes for c in declared}
-    modules = {(t, b): _module_usage(t, b, n, caps.get((t, b), 0), False) for (t, b), n in used.items()}
-    for c in declared:
-        if not c.shared and (c.tier, c.backend) not in modules:
-            modules[(c.tier, c.backend)] = _module_usage(c.tier, c.backend, 0, c.capacity_bytes, False)
-    return {"instance_id": instance_id, "registered": registered, "declared_capacity": bool(declared),
-            "modules": [modules[k] for k in sorted(modules)]}
-
-
-def _agreed(values: Optional[set[int]]) -> int:
-    """A shared pool's capacity: the one value every declaring instance agrees on, else 0
-    (undeclared: picking one would depend on declaration order)."""
-    return next(iter(values)) if values and len(values) == 1 else 0
