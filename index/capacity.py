@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
-from .placements import SHARED_POOL_INSTANCE as SHARED_POOL
+from .placements import SHARED_POOL_INSTANCE
 
 __all__ = ["UNDECLARED_CAPACITY", "CapacityDeclarations", "Compartment", "UsageLedger", "instance_usage_report",
            "usage_ratio", "usage_report"]
@@ -149,14 +149,14 @@ def usage_report(owners: Mapping[str, Mapping[tuple[str, str], int]], declared: 
     the shared pools counted once (capacity only where every declaring instance agrees)."""
     registered = set(registered)
     instances = [instance_usage_report(inst, owners.get(inst, {}), declared.get(inst, ()), inst in registered)
-                 for inst in sorted(registered | (set(owners) - {SHARED_POOL}) | set(declared))]
+                 for inst in sorted(registered | (set(owners) - {SHARED_POOL_INSTANCE}) | set(declared))]
     claims: dict[tuple[str, str], set[int]] = {}
     for comps in declared.values():
         for c in comps:
             if c.shared:
                 claims.setdefault((c.tier, c.backend), set()).add(c.capacity_bytes)
     shared = [_module_usage(t, b, used, _agreed(claims.get((t, b))), True)
-              for (t, b), used in sorted(owners.get(SHARED_POOL, {}).items())]
+              for (t, b), used in sorted(owners.get(SHARED_POOL_INSTANCE, {}).items())]
     return {"instances": instances, "shared_modules": shared}
 
 

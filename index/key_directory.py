@@ -237,7 +237,7 @@ class KeyDirectory:
         self._entries_deleted = 0
         self._entries_unfilled = 0
         self._entries_accessed = 0
-        self._deferred: Optional[_DeferredNew] = None  # set only while an apply holds the lock
+        self._deferred: Optional[_DeferredNew] = None  # set only while apply_many holds the lock
 
     # ------------------------------------------------------------------ blend lookup
     def enable_blend_lookup(self, chunk_size: int = 256, probe_stride: int = 1,
@@ -285,13 +285,10 @@ class KeyDirectory:
 
     def apply_detailed(self, request: Union[EventRequest, Mapping[str, Any]]) -> ApplyReport:
         """:meth:`apply`, also reporting per-entry counts (:class:`ApplyReport`)."""
-        parsed = parse_event_request(request)
-        with self._lock:
-            self._deferred = _DeferredNew()
-            try:
-                return self._apply_request_locked(parsed)
-            finally:
-                self._flush_deferred()
+        (report,) = self.apply_many([parse_event_request(request)])
+        if isinstance(report, Exception):
+            raise report
+        return report
 
     def apply_many(self, requests: Sequence[EventRequest]) -> list[Union[ApplyReport, Exception]]:
         """Apply already-validated requests in order, in one hold of the lock: the result of
@@ -313,10 +310,12 @@ class KeyDirectory:
                         out.append(self._apply_request_locked(parsed))
                     except Exception as exc:  # noqa: BLE001 - reported to the caller per request
                         self._flush_deferred()
-                        self._deferred = _DeferredNew()
                         out.append(exc)
             finally:
-                self._flush_deferred()
+                try:
+                    self._flush_deferred()
+                finally:
+                    self._deferred = None  # outside an apply, stores insert at once
         return out
 
     def _apply_request_locked(self, parsed: EventRequest) -> ApplyReport:
@@ -355,9 +354,8 @@ class KeyDirectory:
         entries = batch.entries
         if index is None or batch.event_type != "store" or not len(entries) or not entries.distinct_hashes:
             return False
-        column = entries.tokens
-        return (not column.unfilled and column.rows_of_length(index.chunk_size) and min(entries.offsets) >= 0
-                and self._bindings.keys().isdisjoint(entries.chunk_hashes))
+        return _whole_block_indexable(entries, index.chunk_size) and self._bindings.keys().isdisjoint(
+            entries.chunk_hashes)
 
     def _flush_deferred(self) -> None:
         """Insert the deferred new contents (:class:`_DeferredNew`) as one ``add_many`` and
@@ -881,7 +879,7 @@ class KeyDirectory:
         index = self._index
         if index is not None:
             size, lengths, offsets = index.chunk_size, column.lengths, entries.offsets
-            if len(rows) == len(entries) and min(offsets) >= 0 and column.rows_of_length(size):
+            if len(rows) == len(entries) and _whole_block_indexable(entries, size):
                 # the whole batch (rows are then 0..n-1 in order): its token block as is
                 block = column.rows(range(len(rows)))
                 if self._deferred is not None:  # inside an apply: inserted at the next flush
@@ -1114,6 +1112,12 @@ def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[Ble
     if scopes.count(first) == len(scopes):
         return first.namespace
     return [sc.namespace for sc in scopes]
+
+
+def _whole_block_indexable(entries: EntryColumns, chunk_size: int) -> bool:
+    """Every entry carries one chunk of content (``chunk_size`` usable ids) at a known
+    offset: the batch's token block goes to ``add_many`` as it is (or waits for a flush)."""
+    return min(entries.offsets) >= 0 and entries.tokens.rows_of_length(chunk_size)
 
 
 def _own_copy(view: np.ndarray) -> np.ndarray:

@@ -323,30 +323,37 @@ class KafkaSource:
             log.warning("offset commit failed (the checkpoint stays the resume point): %s", exc)
 
     @staticmethod
-    def _split(msgs: list) -> list[tuple[Any, Any]]:
-        """The fetch thread's share of decoding: each event record's token arrays, split
-        out of its JSON without the GIL (``wire.split_event_body``); None for the others."""
-        return [(m, split_event_body(m.value() or b"") if m.error() is None and not is_control(m.headers())
-                 else None) for m in msgs]
-
-    def _decode(self, split: list[tuple[Any, Any]]) -> list[tuple[Any, str, Any]]:
-        """The rest of decoding, on the apply thread before it takes the lock: ``(message,
-        kind, what)`` with kind ``event`` (an EventRequest), ``control``, ``skip``
-        (``(reason, detail)``) or ``fetch_error``. The parser is ``POST /events``'s."""
+    def _split(msgs: list) -> list[tuple[Any, str, Any]]:
+        """The fetch thread's share of decoding: ``(message, kind, what)`` with kind
+        ``fetch_error`` (the error), ``control`` or ``event`` (its token arrays, split out of
+        the JSON without the GIL by ``wire.split_event_body``)."""
         out: list[tuple[Any, str, Any]] = []
-        for m, arrays in split:
+        for m in msgs:
             err = m.error()
             if err is not None:
                 out.append((m, "fetch_error", err))
             elif is_control(m.headers()):
                 out.append((m, "control", None))
             else:
-                try:
-                    out.append((m, "event", parse_event_body(m.value() or b"", arrays=arrays)))
-                except EventValidationError as exc:  # nothing of the record applied
-                    out.append((m, "skip", ("invalid", str(exc))))
-                except ValueError as exc:  # not JSON
-                    out.append((m, "skip", ("undecodable", str(exc))))
+                out.append((m, "event", split_event_body(m.value() or b"")))
+        return out
+
+    @staticmethod
+    def _decode(split: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
+        """The rest of decoding, on the apply thread before it takes the lock: each event
+        becomes its EventRequest, or ``skip`` with ``(reason, detail)``. The parser is
+        ``POST /events``'s."""
+        out: list[tuple[Any, str, Any]] = []
+        for m, kind, what in split:
+            if kind != "event":
+                out.append((m, kind, what))
+                continue
+            try:
+                out.append((m, "event", parse_event_body(m.value() or b"", arrays=what)))
+            except EventValidationError as exc:  # nothing of the record applied
+                out.append((m, "skip", ("invalid", str(exc))))
+            except ValueError as exc:  # not JSON
+                out.append((m, "skip", ("undecodable", str(exc))))
         return out
 
     def _apply(self, decoded: list[tuple[Any, str, Any]]) -> None:
