@@ -11,10 +11,14 @@ How it is fast:
 - Inside an item the rolling form (``fingerprint.roll_step``) costs O(1) per token; each
   item starts with one direct chunk fingerprint. For ``stride >= C`` windows do not
   overlap and are fingerprinted directly.
-- Hashing and probing run in two passes over sub-blocks of ``LANE`` windows: pass one
-  computes slot indices and tags into a small buffer, pass two reads the slot table. The
-  table reads are then independent of the hash chain, so the core keeps many cache misses
-  in flight instead of one.
+- Hashing and probing run in three passes over sub-blocks of ``LANE`` windows: pass one
+  computes fingerprints and mixed values into a small buffer and prefetches each window's
+  occupancy word (``gpu/occupancy.py``: one bit per slot, an eighth of the table, so it
+  stays in L2 where the table does not); pass two keeps the windows whose slot is
+  occupied (about 6%) and prefetches their slot bytes; pass three applies the tag rule.
+  The memory reads are then independent of the hash chain and few of them leave L2.
+  Measured here (Intel Xeon, 2 MiB L2, 16 x 32K-token batches, 25% hits): 5.2-5.9 ns per
+  window with the two-pass table probe, 2.2-2.4 ns with the bits, at 100k-1M chunks.
 - Each item writes its survivors into its own region of the output (region = its first
   global window index), so there is no synchronisation; one gather compacts them in
   ascending order.
@@ -31,6 +35,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from .fingerprint import B_U64, base_powers, mix64_scalar, roll_step, tag_of_mixed
+from .occupancy import is_occupied
 
 from .batch import Candidates, QueryBatch
 from .engine import SlotSource
@@ -47,12 +52,15 @@ LANE = 64
 #: that waits for every worker; when another process (or the service's own event loop) holds
 #: the other core, a worker is descheduled and the barrier waits out a scheduler slice:
 #: measured here, a 32K-window probe took 12-16 ms in parallel under load against 0.4-0.6 ms
-#: serially. Half a million windows (~5-10 ms of serial work) amortises that risk on a
-#: machine of 2 or fewer engine threads. With more threads a region's work per thread is
-#: small and the service's default batch (256K tokens) must still spread over the cores, so
-#: the bar drops to 64K windows there. Decided when the engine is built (``numba``'s thread
-#: count, which the service sets from ``--engine-threads``).
-PARALLEL_MIN_WINDOWS = 1 << 19
+#: serially. A quarter of a million windows (about 1.1 ms of serial work with the occupancy
+#: bits; 16 x 32K-token batches, half a million windows, gain 1.6-1.9x from two threads on a
+#: quiet machine) amortises that risk on a machine of 2 or fewer engine threads, and keeps
+#: the service's default batch (``max_batch_tokens`` 2^18 tokens, so fewer than 2^18 windows)
+#: on the calling thread, where the event loop's core is often busy. With more threads a
+#: region's work per thread is small and the service's default batch must still spread over
+#: the cores, so the bar drops to 64K windows there. Decided when the engine is built
+#: (``numba``'s thread count, which the service sets from ``--engine-threads``).
+PARALLEL_MIN_WINDOWS = 1 << 18
 PARALLEL_MIN_WINDOWS_MANY_THREADS = 1 << 16
 
 
@@ -117,7 +125,8 @@ def _plan_items(offsets, c, stride, item_windows):  # pragma: no cover - compile
     return items, base
 
 
-def _probe_body(tokens, offsets, c, stride, table, mask, pows, items, total):  # pragma: no cover
+@numba.njit(inline="always", nogil=True)
+def _probe_body(tokens, offsets, c, stride, table, words, mask, pows, items, total):  # pragma: no cover
     n_items = items.shape[0]
     out_st = np.empty(total, dtype=np.int64)
     out_fp = np.empty(total, dtype=np.uint64)
@@ -131,9 +140,9 @@ def _probe_body(tokens, offsets, c, stride, table, mask, pows, items, total):  #
         cnt = items[it, 2]
         base = items[it, 3]
         qstart = offsets[q]
-        lane_slot = np.empty(LANE, dtype=np.int64)
-        lane_tag = np.empty(LANE, dtype=np.uint8)
+        lane_mixed = np.empty(LANE, dtype=np.uint64)
         lane_fp = np.empty(LANE, dtype=np.uint64)
+        lane_sel = np.empty(LANE, dtype=np.int64)
         k = 0
         h = np.uint64(0)
         pos = qstart + w0 * stride  # absolute start of the current window
@@ -143,28 +152,47 @@ def _probe_body(tokens, offsets, c, stride, table, mask, pows, items, total):  #
         done = 0
         while done < cnt:
             m = min(LANE, cnt - done)
-            # pass one: fingerprints, slots and tags of the next m windows
-            for j in range(m):
-                if rolling:
+            # pass one: fingerprints of the next m windows (the stride-1 rolling loop on its
+            # own: a branch or an inner loop in it costs a third of the probe)
+            if rolling and stride == 1:
+                for j in range(m):
                     if done + j > 0:
-                        for _ in range(stride):
-                            h = roll_step(h, tokens[pos], tokens[pos + c], top)
-                            pos += 1
-                else:
-                    pos = qstart + (w0 + done + j) * stride
-                    h = np.uint64(0)
-                    for i in range(c):
-                        h += np.uint64(tokens[pos + i]) * pows[i]
-                mixed = mix64_scalar(h)
-                lane_fp[j] = h
-                sl = np.int64(mixed & umask)
-                _prefetch(table, sl)
-                lane_slot[j] = sl
-                lane_tag[j] = tag_of_mixed(mixed)
-            # pass two: probe (independent loads)
+                        h = roll_step(h, tokens[pos], tokens[pos + c], top)
+                        pos += 1
+                    lane_fp[j] = h
+            else:
+                for j in range(m):
+                    if rolling:
+                        if done + j > 0:
+                            for _ in range(stride):
+                                h = roll_step(h, tokens[pos], tokens[pos + c], top)
+                                pos += 1
+                    else:
+                        pos = qstart + (w0 + done + j) * stride
+                        h = np.uint64(0)
+                        for i in range(c):
+                            h += np.uint64(tokens[pos + i]) * pows[i]
+                    lane_fp[j] = h
+            # mixed values; start the fetch of each window's occupancy word
             for j in range(m):
-                v = table[lane_slot[j]]
-                if v == lane_tag[j] or v == 255:
+                mixed = mix64_scalar(lane_fp[j])
+                lane_mixed[j] = mixed
+                _prefetch(words, np.int64((mixed & umask) >> np.uint64(6)))
+            # pass two: keep the windows whose slot is occupied (about 6% at the table's
+            # load) and start the fetch of their slot bytes
+            n = 0
+            for j in range(m):
+                sl = np.int64(lane_mixed[j] & umask)
+                if is_occupied(words, sl):
+                    _prefetch(table, sl)
+                    lane_sel[n] = j
+                    n += 1
+            # pass three: the filter rule on those slots (independent loads)
+            for t in range(n):
+                j = lane_sel[t]
+                mixed = lane_mixed[j]
+                v = table[np.int64(mixed & umask)]
+                if v == tag_of_mixed(mixed) or v == 255:
                     out_st[base + k] = (w0 + done + j) * stride
                     out_fp[base + k] = lane_fp[j]
                     k += 1
@@ -188,9 +216,21 @@ def _probe_body(tokens, offsets, c, stride, table, mask, pows, items, total):  #
     return qi, st, fp
 
 
-# One body, two compilations: ``prange`` is a plain range in the serial one.
-_probe_parallel = numba.njit(cache=True, nogil=True, parallel=True)(_probe_body)
-_probe_serial = numba.njit(cache=True, nogil=True)(_probe_body)
+# One body, two compilations: ``prange`` is a plain range in the serial one. Each has its own
+# Python function because numba's on-disk cache is keyed by the function (its file, name and
+# line), not by the compile flags: ``njit(parallel=True)(f)`` and ``njit(f)`` of one ``f``
+# share one cache entry, and a process then loads whichever was compiled first for both.
+# That is what happened before (the "parallel" probe ran serially on a warm cache: 2.3 ms
+# for 16 x 32K windows in both, 1.4 ms when compiled fresh). The body is inlined at numba IR
+# level, before the parallel pass, so the parallel wrapper still sees the ``prange``.
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _probe_parallel(tokens, offsets, c, stride, table, words, mask, pows, items, total):  # pragma: no cover
+    return _probe_body(tokens, offsets, c, stride, table, words, mask, pows, items, total)
+
+
+@numba.njit(cache=True, nogil=True)
+def _probe_serial(tokens, offsets, c, stride, table, words, mask, pows, items, total):  # pragma: no cover
+    return _probe_body(tokens, offsets, c, stride, table, words, mask, pows, items, total)
 
 
 class CpuEngine:
@@ -211,11 +251,14 @@ class CpuEngine:
         self.parallel_min_windows = parallel_min_windows
 
     def probe(self, batch: QueryBatch, slots: SlotSource) -> Candidates:
-        table = slots.table  # one snapshot for the whole batch (a rebuild swaps the array)
+        table, words = slots.filter_arrays  # one snapshot for the whole batch (a rebuild swaps both)
+        if words.dtype != np.uint64 or words.shape[0] != (table.shape[0] + 63) >> 6:
+            raise ValueError(f"occupancy words {words.dtype}[{words.shape[0]}] do not fit a table of "
+                             f"{table.shape[0]} slots")  # the kernel does not bounds-check
         items, total = _plan_items(batch.offsets, batch.window, batch.stride, self.item_windows)
         if total == 0:
             return Candidates.empty(0)
-        args = (batch.tokens, batch.offsets, batch.window, batch.stride, table, table.shape[0] - 1,
+        args = (batch.tokens, batch.offsets, batch.window, batch.stride, table, words, table.shape[0] - 1,
                 base_powers(batch.window), items, total)
         if total >= self.parallel_min_windows and items.shape[0] > 1:
             with _PARALLEL_LOCK:

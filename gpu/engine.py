@@ -9,8 +9,8 @@ Contract (every engine, bit for bit; one conformance suite checks it):
 - ``probe(batch, slots)`` returns :class:`Candidates` for exactly the valid windows whose
   slot value is ``tag(F)`` or 255, ascending ``(query_index, cur_st)``.
 - ``slots`` is a :class:`SlotSource` (``blendmatch.index.slots.SlotArray`` implements it).
-  A host engine reads ``slots.table``; a device engine mirrors it through
-  ``slots.changes_since``. ``probe`` may run concurrently with writers of ``slots``.
+  A host engine reads ``slots.filter_arrays`` (the table and its occupancy bits, one
+  generation); a device engine mirrors ``slots.table`` through ``slots.changes_since``. ``probe`` may run concurrently with writers of ``slots``.
 - Bad input raises ``ValueError`` identically on every engine; a device failure at run time
   raises :class:`EngineFailure` (``select.FailoverEngine`` then moves to the CPU engine).
 
@@ -77,6 +77,9 @@ class SlotSource(Protocol):
     """What an engine may read of the slot array (implemented by ``index.slots.SlotArray``)."""
 
     table: np.ndarray  # uint8, power-of-two length; live host array (read only)
+    #: ``(table, occupancy words)`` of one generation (``gpu/occupancy.py``), replaced as one
+    #: tuple on a rebuild so a reader never pairs a table with another table's bits.
+    filter_arrays: tuple[np.ndarray, np.ndarray]
     generation: int
     version: int
 

@@ -50,6 +50,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .fingerprint import TAG_SHARED, power_tables, prefix_fingerprints, slots_and_tags
+from .occupancy import occupancy_words
 
 from .batch import Candidates, QueryBatch
 from .engine import EngineError, EngineFailure, SlotChanges, SlotSource
@@ -347,6 +348,7 @@ class TrialSlots:
 
     def __init__(self, table: np.ndarray) -> None:
         self.table = check_table(np.array(table, dtype=np.uint8, copy=True))
+        self.filter_arrays = (self.table, occupancy_words(self.table))
         self.generation = 0
         self.version = 0
         self._base = 0
@@ -372,6 +374,7 @@ class TrialSlots:
         v = np.asarray(values, dtype=np.uint8)
         us, uv = dedupe_last_write(s, v)
         self.table[us] = uv
+        self.filter_arrays = (self.table, occupancy_words(self.table))  # a full pass: test sizes
         self._log_s.append(s.copy())
         self._log_v.append(v.copy())
         self.version += int(s.size)
@@ -379,6 +382,7 @@ class TrialSlots:
     def replace(self, table: np.ndarray) -> None:
         """Swap in a new table (a rebuild: new generation, log cleared)."""
         self.table = check_table(np.array(table, dtype=np.uint8, copy=True))
+        self.filter_arrays = (self.table, occupancy_words(self.table))
         self.generation += 1
         self.version += 1
         self._base = self.version

@@ -708,7 +708,7 @@ class BlendIndex:
         # replicas that applied the same log in different runs must report the same state.
         hashes = _EMPTY_LIST_BYTES + 8 * len(self._o_hash) + self._hash_bytes
         return (self._tokens.nbytes() + self._fpmap.nbytes() + self._c.nbytes() + self._o.nbytes()
-                + self._k.nbytes() + int(self._slots.table.nbytes) + hashes)
+                + self._k.nbytes() + self._slots.nbytes + hashes)
 
     # ------------------------------------------------------------------ internals: reads
     def _probe(self, batch: QueryBatch) -> Candidates:

@@ -22,9 +22,16 @@ Engines mirror this host copy (the truth). Every slot write bumps ``version`` an
 :meth:`SlotArray.changes_since` (a small scatter) or, on a new generation or when the log
 was trimmed past its version, with a full upload of :attr:`SlotArray.table`.
 
+Occupancy bits (``gpu/occupancy.py``): beside the table, one bit per slot, set iff the slot
+is not empty, written in the same compiled loop as the byte. Host probes test the bit first
+and read the table only for occupied slots: the bits are an eighth of the table and stay in
+a core's L2 where the table does not. :attr:`filter_arrays` is the pair, swapped as one tuple
+on a rebuild.
+
 Thread safety: mutations and :meth:`changes_since` take an internal lock, so an engine may
-sync while writers run. Readers (probes) read :attr:`table` without the lock; byte writes
-are atomic and a rebuild swaps in a new array, so a probe sees either state of each slot.
+sync while writers run. Readers (probes) read :attr:`table` or :attr:`filter_arrays`
+without the lock; byte writes are atomic, an insert writes its byte before its bit, and a
+rebuild swaps in new arrays, so a probe sees either state of each slot.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 
 from blendmatch.gpu import SlotChanges
 from blendmatch.gpu.fingerprint import mix64_scalar, tag_of_mixed
+from blendmatch.gpu.occupancy import clear_bit, occupancy_words, set_bit
 
 __all__ = ["FilterMode", "SlotArray", "SlotChanges", "MIN_TABLE_SIZE", "LOAD_RATIO"]
 
@@ -82,7 +90,7 @@ def _next_pow2(n: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert_nb(table, mask, fps, occupancy):  # pragma: no cover - compiled
+def _insert_nb(table, words, mask, fps, occupancy):  # pragma: no cover - compiled
     n = fps.shape[0]
     out_s = np.empty(n, dtype=np.int64)
     out_v = np.empty(n, dtype=np.uint8)
@@ -98,6 +106,7 @@ def _insert_nb(table, mask, fps, occupancy):  # pragma: no cover - compiled
             new = tag_of_mixed(m)
         if new != cur:
             table[s] = new
+            set_bit(words, s)  # after the byte: a reader that sees the bit sees the byte
             out_s[k] = s
             out_v[k] = new
             k += 1
@@ -107,7 +116,7 @@ def _insert_nb(table, mask, fps, occupancy):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _remove_nb(table, mask, fps, occupancy):  # pragma: no cover - compiled
+def _remove_nb(table, words, mask, fps, occupancy):  # pragma: no cover - compiled
     n = fps.shape[0]
     out_s = np.empty(n, dtype=np.int64)
     out_v = np.empty(n, dtype=np.uint8)
@@ -119,6 +128,7 @@ def _remove_nb(table, mask, fps, occupancy):  # pragma: no cover - compiled
         cur = table[s]
         if not occupancy and cur == tag_of_mixed(m):
             table[s] = 0
+            clear_bit(words, s)
             out_s[k] = s
             out_v[k] = 0
             k += 1
@@ -141,6 +151,8 @@ class SlotArray:
         self._occupancy = filter == "occupancy"
         self._lock = threading.Lock()
         self.table = np.zeros(min_size, dtype=np.uint8)
+        self._words = occupancy_words(self.table)
+        self.filter_arrays: tuple[np.ndarray, np.ndarray] = (self.table, self._words)
         self.generation = 0
         self.version = 0
         self.live = 0  # fingerprints currently inserted
@@ -159,6 +171,11 @@ class SlotArray:
     @property
     def mask(self) -> int:
         return self.size - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the table and its occupancy bits."""
+        return int(self.table.nbytes) + int(self._words.nbytes)
 
     def changes_since(self, generation: int, version: int) -> SlotChanges:
         """Changes that bring a mirror at ``(generation, version)`` up to date."""
@@ -192,7 +209,7 @@ class SlotArray:
         if fps.size == 0:
             return
         with self._lock:
-            s, v, new_shared = _insert_nb(self.table, self.mask, fps, self._occupancy)
+            s, v, new_shared = _insert_nb(self.table, self._words, self.mask, fps, self._occupancy)
             self.live += int(fps.size)
             self.shared += int(new_shared)
             self._append_log(s, v)
@@ -203,7 +220,7 @@ class SlotArray:
         if fps.size == 0:
             return
         with self._lock:
-            s, v, stale = _remove_nb(self.table, self.mask, fps, self._occupancy)
+            s, v, stale = _remove_nb(self.table, self._words, self.mask, fps, self._occupancy)
             self.live -= int(fps.size)
             self.stale += int(stale)
             self._append_log(s, v)
@@ -229,9 +246,11 @@ class SlotArray:
         if new_size < 1 or new_size & (new_size - 1):
             raise ValueError(f"table size must be a power of two, got {new_size}")
         table = _alloc_table(new_size)
-        _s, _v, new_shared = _insert_nb(table, new_size - 1, live_fps, self._occupancy)
+        words = np.zeros((new_size + 63) >> 6, dtype=np.uint64)  # the insert below sets them
+        _s, _v, new_shared = _insert_nb(table, words, new_size - 1, live_fps, self._occupancy)
         with self._lock:
-            self.table = table
+            self.table, self._words = table, words
+            self.filter_arrays = (table, words)
             self.generation += 1
             self.version += 1
             self.live = int(live_fps.size)

@@ -144,3 +144,48 @@ def test_per_position_rule_on_repeated_content_matches_the_oracle(engine, rng):
     assert [m.chunk_hash for m in got[-1]] == [b"h0", b"h4", b"h8"]  # then nothing: every hash seen
     for matches in got:
         assert len({m.cur_st for m in matches}) == len(matches) == len({m.chunk_hash for m in matches})
+
+
+def test_cpu_engine_reads_the_occupancy_bits():
+    """The CPU engine skips the table for slots its bits call empty (that is its speed), so
+    it must be handed the bits of the same table: words that do not fit are refused."""
+    from blendmatch.gpu import QueryBatch, cpu
+    from blendmatch.gpu.occupancy import occupancy_words
+
+    class Source:  # a table where every slot says "shared": every window survives
+        def __init__(self, words_for):
+            self.table = np.full(1024, 255, dtype=np.uint8)
+            self.filter_arrays = (self.table, words_for(self.table))
+
+    batch = QueryBatch.from_queries([np.arange(40, dtype=np.uint32)], window=8, stride=1)
+    eng = cpu.CpuEngine(parallel_min_windows=0)
+    assert len(eng.probe(batch, Source(occupancy_words))) == 33
+    assert len(eng.probe(batch, Source(lambda t: np.zeros(16, np.uint64)))) == 0  # bits win
+    with pytest.raises(ValueError, match="occupancy words"):
+        eng.probe(batch, Source(lambda t: np.zeros(8, np.uint64)))
+
+
+def test_each_cached_kernel_has_its_own_python_function():
+    """numba's disk cache is keyed by the Python function, not by the compile flags: two
+    cached dispatchers of one function load one entry (this made the "parallel" probe run the
+    serial code). Every cached dispatcher in the engine and index modules must be distinct."""
+    import importlib
+    import pkgutil
+
+    from numba.core.dispatcher import Dispatcher
+
+    import blendmatch.gpu
+    import blendmatch.index
+
+    seen: dict[object, tuple[Dispatcher, str]] = {}
+    for pkg in (blendmatch.gpu, blendmatch.index):
+        for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+            if info.name.endswith("cupy_engine"):
+                continue
+            mod = importlib.import_module(info.name)
+            for name, obj in vars(mod).items():
+                if isinstance(obj, Dispatcher) and obj._cache.__class__.__name__ != "NullCache":
+                    first, where = seen.setdefault(obj.py_func, (obj, f"{info.name}.{name}"))
+                    assert first is obj, (f"{info.name}.{name} and {where} compile one Python function "
+                                          "with the disk cache")
+    assert len(seen) > 5

@@ -127,3 +127,40 @@ def test_large_tables_are_zeroed_writable_and_aligned(rng):
     fps = rng.integers(0, 1 << 63, size=300_000, dtype=np.uint64)
     s.rebuild(fps)
     assert s.size >= 4 << 20 and all(survives(s, int(f)) for f in fps[:1000])
+
+
+@pytest.mark.parametrize("mode", ["tagged", "occupancy"])
+def test_occupancy_bits_follow_every_write(mode, rng):
+    """The bits in front of the table (``gpu/occupancy.py``) say "not empty" exactly where
+    the table does, after inserts, removals (including ones that clear a slot) and rebuilds;
+    ``filter_arrays`` pairs the current table with its own bits."""
+    from blendmatch.gpu.occupancy import occupancy_words
+
+    s = SlotArray(mode)
+    live: list[int] = []
+
+    def check() -> None:
+        table, words = s.filter_arrays
+        assert table is s.table
+        assert words.dtype == np.uint64 and words.size == (table.size + 63) // 64
+        np.testing.assert_array_equal(words, occupancy_words(table))
+
+    for step in range(60):
+        new = rng.integers(0, 1 << 63, size=int(rng.integers(1, 200)), dtype=np.uint64)
+        new = np.setdiff1d(new, np.array(live, dtype=np.uint64))
+        s.insert(new)
+        live.extend(int(f) for f in new)
+        gone = [live.pop(int(rng.integers(0, len(live)))) for _ in range(min(len(live), int(rng.integers(0, 150))))]
+        s.remove(np.array(gone, dtype=np.uint64))
+        check()
+        if step % 10 == 9 or s.needs_rebuild():
+            s.rebuild(np.array(live, dtype=np.uint64))
+            check()
+    assert s.generation > 1 and np.count_nonzero(s.table) > 0
+    if mode == "tagged":  # removals did clear slots, so clear_bit ran
+        assert s.stats()["table_stale_removals"] < len(live) * 10
+
+
+def test_memory_counts_the_occupancy_bits():
+    s = SlotArray(min_size=1 << 16)
+    assert s.nbytes == (1 << 16) + (1 << 16) // 8
