@@ -186,14 +186,18 @@ class Workload:
         n = min(_FILL_BATCH, self.chunks - b * _FILL_BATCH)
         return rng.integers(0, 50_000, size=(n, self.chunk_size), dtype=np.uint32)
 
-    def fill_bodies(self, first_seq: int = 1) -> list[bytes]:
+    def fill_bodies(self, first_seq: int = 1, per_request: int = _FILL_BATCH) -> list[bytes]:
+        """The fill's ``POST /events`` bodies, ``per_request`` entries each (a Kafka-mode server
+        appends each batch as one record, and brokers refuse records over ~1 MB by default:
+        ``--fill-batch 200`` keeps them near 300 KB). The stored data does not depend on it."""
         bodies = []
         seq = first_seq
         for b, start in enumerate(range(0, self.chunks, _FILL_BATCH)):
             rows = self.block(b)
             entries = [_entry(start + j, row, ((start + j) % 64) * self.chunk_size) for j, row in enumerate(rows)]
-            bodies.append(_events_body("loadtest-fill", seq, entries))
-            seq += 1
+            for k in range(0, len(entries), per_request):
+                bodies.append(_events_body("loadtest-fill", seq, entries[k:k + per_request]))
+                seq += 1
         return bodies
 
     def queries(self) -> list[np.ndarray]:
@@ -512,12 +516,12 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
     return res
 
 
-async def fill(host: str, port: int, workload: Workload) -> float:
+async def fill(host: str, port: int, workload: Workload, per_request: int = _FILL_BATCH) -> float:
     """Store ``workload.chunks`` chunks; returns seconds taken (server side included)."""
     conn = await Conn(host, port).open()
     t0 = time.perf_counter()
     try:
-        for body in workload.fill_bodies():
+        for body in workload.fill_bodies(per_request=per_request):
             status, resp = await conn.request(_post(host, "/events", body))
             if status != 200:
                 raise RuntimeError(f"fill failed: {status} {resp[:300]!r}")
@@ -556,7 +560,7 @@ async def _measure(url: str, config_name: str, args: argparse.Namespace, workloa
     hosthdr = f"{host}:{port}"
     results: list[PhaseResult] = []
     if fill_first and workload.chunks:
-        secs = await fill(host, port, workload)
+        secs = await fill(host, port, workload, args.fill_batch)
         print(f"[{config_name}] stored {workload.chunks} chunks in {secs:.1f} s "
               f"({workload.chunks / secs:,.0f} entries/s)", flush=True)
     requests = _lookup_requests(hosthdr, workload, getattr(args, "token_form", "b64"))
@@ -629,6 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="STORE entries/s during the lookup+events phase; 0 skips it (default %(default)s)")
     p.add_argument("--event-batch", type=int, default=50, help="entries per event request (default %(default)s)")
     p.add_argument("--fill", action="store_true", help="with --url: store --chunks chunks first")
+    p.add_argument("--fill-batch", type=int, default=_FILL_BATCH,
+                   help="entries per fill request (200 for a Kafka-mode server: one record per batch)")
     p.add_argument("--server-pid", type=int, help="with --url: the server's process id, for its CPU per request")
     p.add_argument("--no-healthz", dest="healthz", action="store_false", help="skip the healthz phase")
     p.add_argument("--generator", choices=("auto", "wrk", "python"), default="auto",

@@ -201,6 +201,10 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help=_help("one-partition topic whose owner holds the reaper role", default="<topic>-reaper"))
     g.add_argument("--kafka-session-timeout-ms", type=int, default=d["kafka_session_timeout_ms"].default,
                    help=_help("the reaper role moves this long after its holder died"))
+    g.add_argument("--workers", type=int, default=1,
+                   help=_help("replica processes sharing --port (SO_REUSEPORT), each following the topic: "
+                              "needs --event-transport kafka; replica ids <id>-w<i>, checkpoints <path>.w<i>"))
+    g.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on --workers children
 
 
 #: LMCache 0.5.6 coordinator flags that mean nothing here: accepted (so that an existing
@@ -397,6 +401,11 @@ def _serve(argv: Sequence[str]) -> int:
         problems = "; ".join((f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: " if e["loc"] else "")
                              + e["msg"] for e in exc.errors())
         parser.error(problems)
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1 and config.event_transport != "kafka":
+        parser.error("--workers needs --event-transport kafka: the workers share nothing but the event log, "
+                     "so each must follow it (docs/fleet.md)")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .access import AccessFileError, AccessPolicy
 
@@ -410,6 +419,13 @@ def _serve(argv: Sequence[str]) -> int:
     logging.getLogger("blendmatch.service").info("%s; TLS %s", access.describe(), tls)
     for line in ignored_flag_warnings(args, parser):
         logging.getLogger("blendmatch.service.cli").warning("%s", line)
+    if args.workers > 1:
+        import socket
+
+        from .workers import supervise
+
+        return supervise(argv, args.workers, replica_id=config.replica_id or socket.gethostname(),
+                         checkpoint_path=config.checkpoint_path, engine_threads=config.engine_threads)
 
     import uvicorn
 
@@ -444,7 +460,12 @@ def _serve(argv: Sequence[str]) -> int:
     server = _graceful_server_class(uvicorn.Server)(uv_config, config.graceful_timeout)
     context = app.state.blendmatch_context
     context.on_fatal = server.fail
-    server.run()
+    if args.reuse_port:  # a --workers child: its own socket on the shared port
+        from .workers import reuse_port_socket
+
+        server.run(sockets=[reuse_port_socket(config.host, config.port)])
+    else:
+        server.run()
     if context.fatal is not None or server.exit_code:
         return server.exit_code or 1
     return 0

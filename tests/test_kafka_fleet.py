@@ -299,3 +299,72 @@ def test_lmcache_kafka_sink_feeds_a_replica(kafka_bootstrap, tmp_path, lmcache_s
         assert [m["cur_st"] for m in lookup.json()["matches"]] == [1], lookup.text
     finally:
         r.stop()
+
+
+@pytest.mark.kafka
+def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_path):
+    """``--workers 2``: two replica processes on one port (SO_REUSEPORT). Connections land on
+    both; each answers every lookup from its own index, equal to the reference; a batch too
+    large for one record is a 413 with nothing appended; SIGTERM stops both, exit 0."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from kafka_support import ROOT, free_port
+
+    topic = create_topic(kafka_bootstrap)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "workers.log"
+    ckpt = tmp_path / "node.ckpt"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "blendmatch", "serve", "--workers", "2", "--host", "127.0.0.1", "--port", str(port),
+             "--engine", "cpu", "--chunk-size", str(C), "--event-transport", "kafka",
+             "--kafka-bootstrap-servers", kafka_bootstrap, "--kafka-topic", topic, "--kafka-group-id", "g",
+             "--replica-id", "node", "--kafka-session-timeout-ms", "2000", "--checkpoint-path", str(ckpt),
+             "--log-level", "info"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait(up, 60, "the workers to listen")
+        batches, queries = _workload(5, 15)
+        want = _reference_answers(batches, queries)
+        assert httpx.post(f"{url}/events", json={"batches": batches}, timeout=30).status_code == 200
+
+        seen: dict[str, int] = {}
+
+        def both_answer() -> bool:
+            with httpx.Client(base_url=url, timeout=30) as c:  # a new connection: the kernel picks a worker
+                rid = c.get("/directory/stats").json()["log"]["replica_id"]
+                body = {"queries": [{"token_ids": q.tolist(), "model_name": MODEL} for q in queries]}
+                if c.post("/directory/blend-lookup/batch", json=body).json()["results"] == want:
+                    seen[rid] = seen.get(rid, 0) + 1
+            return set(seen) == {"node-w0", "node-w1"}
+
+        _wait(both_answer, 60, f"both workers to answer (seen {seen})")
+
+        big = store("i-big", 1, np.full((4000, C), 4_000_000_000, dtype=np.uint32), first_hash=900_000,
+                    incarnation=100)
+        with httpx.Client(base_url=url, timeout=30) as c:
+            before = c.get("/directory/stats").json()["log"]["position"]
+            got = c.post("/events", json={"batches": [batches[0], big]})
+            assert got.status_code == 413 and "batch 1" in got.json()["detail"], got.text
+            time.sleep(0.5)
+            assert c.get("/directory/stats").json()["log"]["position"] == before  # nothing appended
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0, log_path.read_text()[-3000:]
+    assert (tmp_path / "node.ckpt.w0").exists() and (tmp_path / "node.ckpt.w1").exists()

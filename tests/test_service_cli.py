@@ -104,3 +104,26 @@ def test_lmcache_registry_defaults():
     cli._add_serve_flags(parser)
     cfg = cli.config_from_args(parser.parse_args([]))
     assert (cfg.health_check_interval, cfg.instance_timeout, cfg.timeout_keep_alive) == (10.0, 30.0, 10.0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "2"], "--workers needs --event-transport kafka"),
+    (["--workers", "0"], "--workers must be >= 1"),
+])
+def test_workers_need_the_log(capsys, argv, message):
+    """Workers share nothing but the event log: without Kafka there is nothing to follow."""
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["serve", *argv])
+    assert ei.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_worker_argv_gives_each_worker_its_identity(monkeypatch):
+    from blendmatch.service.workers import worker_argv
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    argv = ["--port", "9300", "--workers", "2", "--event-transport", "kafka", "--workers=3"]
+    got = worker_argv(argv, 1, replica_id="node", checkpoint_path="/d/c.ckpt", engine_threads=None, workers=2)
+    assert got == ["--port", "9300", "--event-transport", "kafka", "--replica-id", "node-w1", "--reuse-port",
+                   "--checkpoint-path", "/d/c.ckpt.w1", "--engine-threads", "2"]
+    got = worker_argv(argv, 0, replica_id="n", checkpoint_path="", engine_threads=3, workers=2)
+    assert got[-2:] == ["n-w0", "--reuse-port"]

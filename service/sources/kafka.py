@@ -58,11 +58,16 @@ from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import EventValidationError, parse_event_body, parse_event_request, split_event_body
 
-from ..errors import ServiceUnavailable
+from ..errors import LimitExceeded, ServiceUnavailable
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
                       is_control, lmcache_record_value)
 
 __all__ = ["KafkaSource", "SECTION"]
+
+#: Largest record the producer sends (librdkafka's default ``message.max.bytes``; brokers
+#: default to about the same). One LMCache batch is one record, so this bounds a batch
+#: appended through ``POST /events``: about 500 entries of 256 tokens as JSON lists.
+MAX_RECORD_BYTES = 1_000_000
 
 log = logging.getLogger("blendmatch.service.kafka")
 
@@ -144,7 +149,7 @@ class KafkaSource:
     def start(self) -> None:
         self._producer = Producer({"bootstrap.servers": self.bootstrap, "client.id": f"blendmatch-{self.replica_id}",
                                    "enable.idempotence": True, "acks": "all", "linger.ms": 1,
-                                   "message.timeout.ms": 30_000})
+                                   "message.timeout.ms": 30_000, "message.max.bytes": MAX_RECORD_BYTES})
         for target, name in ((self._consume_loop, "blendmatch-kafka"), (self._producer_loop, "blendmatch-kafka-producer"),
                              (self._reaper_loop, "blendmatch-kafka-reaper")):
             t = threading.Thread(target=self._guard(target), name=name, daemon=True)
@@ -472,6 +477,13 @@ class KafkaSource:
         producer = self._producer
         if producer is None or self._stop.is_set():
             raise ServiceUnavailable("the Kafka producer is not running")
+        for i, (key, value, _headers) in enumerate(records):
+            # Checked before anything is produced: a record the producer refuses half-way
+            # through would leave the batches before it appended and the request failed.
+            if len(key) + len(value) > MAX_RECORD_BYTES:
+                raise LimitExceeded(f"batch {i} encodes to a {len(key) + len(value):,}-byte record; the log takes "
+                                    f"at most {MAX_RECORD_BYTES:,} bytes per record (one record per batch): "
+                                    "send fewer entries per batch (nothing was appended)")
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future] = [loop.create_future() for _ in records]
 

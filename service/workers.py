@@ -1,0 +1,134 @@
+"""``blendmatch serve --workers N``: N replica processes on one port, fed by one Kafka topic.
+
+Why: one server process is bound by its own GIL. At 4,500 lookups/s the event loop and the
+lookup thread together hold the GIL about two thirds of the time and wait on each other for
+the rest, while the second core has room (docs/performance.md, "Front end"). Several
+processes share nothing but the log: each is a full replica (``--event-transport kafka``,
+docs/fleet.md), so each answers every lookup from its own index, exactly as replicas
+behind a Kubernetes Service do, only on one host and one port.
+
+Shape:
+- the parent validates the flags (the same parser and config as one process), then starts
+  N children: ``blendmatch serve`` with the same flags plus ``--replica-id <id>-w<i>``,
+  ``--checkpoint-path <path>.w<i>`` when checkpoints are on, ``--engine-threads`` (CPUs
+  split between the workers, unless given) and ``--reuse-port``;
+- each child binds its own listening socket with ``SO_REUSEPORT``; the kernel spreads new
+  connections over them (Linux allows this only between sockets of the same user, so no
+  other user's process can join the port);
+- the parent forwards SIGTERM, SIGINT and SIGHUP (access-file reload) to every child. When
+  one child exits, the parent stops the others and exits with the first non-zero status
+  (0 if all stopped cleanly): a supervisor above (systemd, Kubernetes) restarts the whole,
+  which is simpler to reason about than a partly running set.
+
+Each worker answers ``/readyz``, ``/metrics`` and ``/directory/stats`` for itself (a scrape
+through the shared port reaches one of them; ``replica_id`` in the stats says which).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+log = logging.getLogger("blendmatch.service.workers")
+
+__all__ = ["reuse_port_socket", "worker_argv", "supervise"]
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` with ``SO_REUSEPORT`` (one per worker)."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise OSError("--workers needs SO_REUSEPORT, which this platform lacks")
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _name, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.set_inheritable(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def worker_argv(argv: Sequence[str], index: int, *, replica_id: str, checkpoint_path: str | None,
+                engine_threads: int | None, workers: int) -> list[str]:
+    """The ``serve`` flags of worker ``index``: the parent's, minus ``--workers``, plus this
+    worker's identity. argparse keeps the last value of a repeated flag, so appending wins."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--workers":
+            skip = True
+            continue
+        if a.startswith("--workers="):
+            continue
+        out.append(a)
+    out += ["--replica-id", f"{replica_id}-w{index}", "--reuse-port"]
+    if checkpoint_path:
+        out += ["--checkpoint-path", f"{checkpoint_path}.w{index}"]
+    if engine_threads is None:
+        out += ["--engine-threads", str(max(1, (os.cpu_count() or 1) // workers))]
+    return out
+
+
+def supervise(argv: Sequence[str], workers: int, *, replica_id: str, checkpoint_path: str | None,
+              engine_threads: int | None) -> int:
+    """Run ``workers`` children until one exits; returns the exit status (see module doc)."""
+    procs: list[subprocess.Popen] = []
+    stopping = {"signal": 0}
+
+    def forward(signum: int, _frame: object) -> None:
+        if signum != getattr(signal, "SIGHUP", None):
+            stopping["signal"] = signum
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    handled = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        for i in range(workers):
+            child = [sys.executable, "-m", "blendmatch", "serve",
+                     *worker_argv(argv, i, replica_id=replica_id, checkpoint_path=checkpoint_path,
+                                  engine_threads=engine_threads, workers=workers)]
+            procs.append(subprocess.Popen(child))
+        log.info("started %d workers (replicas %s-w0..w%d), pids %s", workers, replica_id, workers - 1,
+                 [p.pid for p in procs])
+        first = None
+        while first is None:
+            for p in procs:
+                if p.poll() is not None:
+                    first = p
+                    break
+            else:
+                time.sleep(0.2)
+        if not stopping["signal"]:
+            log.error("worker pid %d exited with status %s: stopping the others", first.pid, first.returncode)
+            forward(signal.SIGTERM, None)
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    # the first non-zero status, in start order; a child killed by a signal counts as 128+sig
+    return next((c if c > 0 else 128 - c for c in codes if c != 0), 0)
