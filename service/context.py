@@ -52,9 +52,10 @@ __all__ = ["ServiceContext", "LookupQuery", "Ctx", "get_context", "build_directo
 
 log = logging.getLogger("blendmatch.service")
 
-#: One lookup as the batcher carries it: (uint32 tokens, or a ``tokens_b64`` string that the
-#: lookup thread decodes with the rest of its batch, namespace).
-LookupQuery = tuple["np.ndarray | str", BlendNamespace]
+#: One lookup as the batcher carries it: (uint32 tokens, or a ``tokens_b64`` string, or that
+#: string's ASCII bytes as the fast path takes them out of the body, which the lookup thread
+#: decodes with the rest of its batch; namespace).
+LookupQuery = tuple["np.ndarray | str | bytes", BlendNamespace]
 
 T = TypeVar("T")
 
@@ -64,7 +65,7 @@ _EMPTY_MATCHES = b'{"matches":[]}'
 def query_tokens(query: LookupQuery) -> int:
     """Tokens in a query (for a ``tokens_b64`` string: from its length, exact when valid)."""
     source = query[0]
-    return b64_token_count(source) if isinstance(source, str) else int(source.shape[0])
+    return b64_token_count(source) if isinstance(source, (str, bytes)) else int(source.shape[0])
 
 
 def _init_lookup_thread(threads: int) -> None:
@@ -80,7 +81,7 @@ def _init_lookup_thread(threads: int) -> None:
 def _decode_errors(queries: list[LookupQuery]) -> list[TokenDecodeError | None]:
     """Per query: None, or why its ``tokens_b64`` does not decode (used when blend lookup is
     disabled, so that bad input is still a 422)."""
-    strings = [(i, q[0]) for i, q in enumerate(queries) if isinstance(q[0], str)]
+    strings = [(i, q[0]) for i, q in enumerate(queries) if isinstance(q[0], (str, bytes))]
     errors: list[TokenDecodeError | None] = [None] * len(queries)
     for (i, _), got in zip(strings, decode_b64_many([v for _, v in strings]), strict=True):
         if isinstance(got, TokenDecodeError):
@@ -290,10 +291,10 @@ class ServiceContext:
         if index is None:  # cannot happen: lookups short-circuit when disabled
             return [_EMPTY_MATCHES] * len(queries)
         out: list[bytes | BaseException] = [_EMPTY_MATCHES] * len(queries)
-        pending = [i for i, q in enumerate(queries) if isinstance(q[0], str)]
+        pending = [i for i, q in enumerate(queries) if isinstance(q[0], (str, bytes))]
         decoded: dict[int, np.ndarray] = {}
         if pending:
-            strings = [str(queries[i][0]) for i in pending]
+            strings = [queries[i][0] for i in pending]
             for i, got in zip(pending, decode_b64_many(strings), strict=True):
                 if isinstance(got, TokenDecodeError):
                     out[i] = got

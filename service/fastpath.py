@@ -37,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from blendmatch.index.tokens import split_token_arrays
+from blendmatch.index.tokens import split_b64_value, split_token_arrays
 from blendmatch.index.wire import EventValidationError
 
 from .context import ServiceContext
@@ -144,7 +144,17 @@ def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
     plain integer in range, which the model accepts, and nothing else changed); the arrays
     go back to the queries that had them, in document order. Where that mapping could be
     ambiguous (a ``token_ids`` key nested in an unknown field, a key given twice), the body
-    is validated as sent. Raises what validation raises."""
+    is validated as sent. A single lookup that opens with ``tokens_b64`` has its string
+    taken out the same way (``split_b64_value``); its bytes go to the lookup thread's
+    decoder. Raises what validation raises."""
+    if model is BlendLookupRequest:
+        taken = split_b64_value(body)
+        if taken is not None:
+            value, text = taken
+            parsed = model.model_validate_json(text)
+            if parsed.tokens_b64 == "":  # the emptied string, nothing else in its place
+                return parsed, value
+            return model.model_validate_json(body), None
     arrays = split_token_arrays(body, placeholder="empty")
     if arrays is not None:
         parsed = model.model_validate_json(arrays.text)

@@ -217,3 +217,81 @@ async def test_events_fast_path_answers_as_the_route():
             assert (fast.status_code, fast.content) == (route.status_code, route.content), body[:80]
         stats = [(await c.get("/directory/stats")).json()["num_keys"] for c in (fast_client, route_client)]
         assert stats[0] == stats[1] == 4
+
+
+# ---------------------------------------------------------------------------- tokens_b64 lookups
+
+def test_split_b64_value_takes_only_the_plain_case():
+    from blendmatch.index.tokens import split_b64_value
+
+    assert split_b64_value(b'{"tokens_b64": "AAAA", "model_name": "m"}') == (b"AAAA", b'{"tokens_b64": "", "model_name": "m"}')
+    assert split_b64_value(b'{"tokens_b64"\n:\t"AQID"}') == (b"AQID", b'{"tokens_b64"\n:\t""}')
+    for body in (b'{"model_name": "m", "tokens_b64": "AAAA"}',  # not the first key
+                 b'{"tokens_b64": "AA\\u0041A", "model_name": "m"}',  # an escape
+                 b'{"tokens_b64": "AA\xc3\xa9A", "model_name": "m"}',  # non-ASCII
+                 b'{"tokens_b64": "AAAA", "tokens_b64": "BBBB"}',  # a second key
+                 b'{"tokens_b64": 5}', b'{"tokens_b64": "AAAA', b'{"tokens_b64" "AAAA"}'):
+        assert split_b64_value(body) is None, body
+
+
+def test_decode_b64_many_takes_bytes_as_strings():
+    from blendmatch.index.tokens import decode_b64_many
+
+    values = ["AQAAAAIAAAA=", "AQAAAAIAAA", "AQ*AAAAA", "", "AQAAAA=A"]
+    as_str = decode_b64_many(values)
+    as_bytes = decode_b64_many([v.encode() for v in values])
+    for a, b in zip(as_str, as_bytes, strict=True):
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a, b)
+        else:
+            assert type(a) is type(b) and str(a) == str(b)
+
+
+@pytest.mark.anyio
+async def test_b64_lookups_through_the_fast_path_answer_as_the_route():
+    """Single ``tokens_b64`` lookups: the fast path takes the string out of the body; the
+    FastAPI route (a streamed body) validates it whole. Same status and bytes for plain
+    bodies, JSON whitespace, escapes, non-ASCII, bad base64, a repeated key, both forms."""
+    rows = chunks(3, seed=5)
+    query = np.concatenate([np.arange(50_000, 50_600, dtype=np.uint32), rows[1], rows[2]])
+    q64 = b64(query)
+    other = b64(rows[0])
+    m = json.dumps(MODEL)
+    escaped = q64[:100] + "\\u00" + format(ord(q64[100]), "02x") + q64[101:]
+    cases = [
+        '{"tokens_b64": "%s", "model_name": %s}' % (q64, m),
+        '{"tokens_b64":"%s","model_name":%s}' % (q64, m),
+        '{"tokens_b64" :\n "%s" , "model_name": %s, "extra": {"tokens_b64": 1}}' % (q64, m),
+        '{"tokens_b64": "%s", "model_name": %s}' % (escaped, m),
+        '{"tokens_b64": "%s\u00e9", "model_name": %s}' % (q64[:-4], m),
+        '{"tokens_b64": "%s*AAA", "model_name": %s}' % (q64[:-8], m),
+        '{"tokens_b64": "%s=AAA", "model_name": %s}' % (q64[:-8], m),
+        '{"tokens_b64": "%s", "model_name": %s, "tokens_b64": "%s"}' % (q64, m, other),
+        '{"tokens_b64": "%s", "model_name": %s, "tokens_b64": ""}' % (q64, m),  # the last (empty) one counts
+        '{"tokens_b64": "%s", "token_ids": [1], "model_name": %s}' % (q64, m),
+        '{"tokens_b64": "", "model_name": %s}' % m,
+        '{"tokens_b64": "%s"}' % q64,
+        '{"tokens_b64": "%s", "model_name": %s, "world_size": 0}' % (q64, m),
+        '{"tokens_b64": "%s", "model_name": }' % q64,
+        '{"tokens_b64": "%s", "model_name": %s' % (q64, m),
+    ]
+
+    async def streamed(body: bytes):
+        yield body
+
+    async with served(config()) as (fast_client, _), served(config()) as (route_client, _):
+        for c in (fast_client, route_client):
+            assert (await c.post("/events", json=events(store("a", 1, rows)))).status_code == 200
+        statuses = []
+        for text in cases:
+            body = text.encode()
+            fast = await fast_client.post("/directory/blend-lookup", content=body,
+                                          headers={"content-type": "application/json"})
+            route = await route_client.post("/directory/blend-lookup", content=streamed(body),
+                                            headers={"content-type": "application/json"})
+            assert (fast.status_code, fast.content) == (route.status_code, route.content), text[:60] + text[-60:]
+            statuses.append(fast.status_code)
+        assert statuses[:4] == [200] * 4 and statuses[4:7] == [422] * 3 and statuses[7:11] == [200, 200, 422, 200]
+        got = await fast_client.post("/directory/blend-lookup", content=cases[0].encode(),
+                                     headers={"content-type": "application/json"})
+        assert len(got.json()["matches"]) == 2
