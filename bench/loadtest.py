@@ -347,17 +347,6 @@ async def _event_stream(host: str, port: int, rate: float, batch: int, chunk_siz
     return sent, lat, errors
 
 
-async def _stats(host: str, port: int) -> dict[str, Any]:
-    conn = await Conn(host, port).open()
-    try:
-        status, body = await conn.request(_get(host, "/directory/stats"))
-        if status != 200:
-            raise RuntimeError(f"/directory/stats answered {status}: {body[:200]!r}")
-        return json.loads(body)
-    finally:
-        await conn.close()
-
-
 def _pct(lat: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(lat), q) * 1e3) if lat else float("nan")
 
@@ -439,13 +428,34 @@ def _proc_cpu_s(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _batch_buckets(host: str, port: int) -> dict[str, float]:
-    """Cumulative ``blendmatch_batch_queries`` buckets from ``/metrics``."""
-    conn = await Conn(host, port).open()
-    try:
-        status, body = await conn.request(_get(host, "/metrics"))
-    finally:
-        await conn.close()
+async def _snapshot(host: str, port: int, replica: Any = None, tries: int = 12
+                    ) -> tuple[dict[str, Any], dict[str, float]] | None:
+    """``(/directory/stats, batch buckets)`` read over one connection, so both come from the
+    same process. With ``serve --workers`` each connection reaches one worker, whose counters
+    are its own: given ``replica`` (the ``log.replica_id`` of the first snapshot), retry on new
+    connections until that worker answers; None when it did not within ``tries``."""
+    for _ in range(tries):
+        conn = await Conn(host, port).open()
+        try:
+            status, body = await conn.request(_get(host, "/directory/stats"))
+            if status != 200:
+                raise RuntimeError(f"/directory/stats answered {status}: {body[:200]!r}")
+            stats = json.loads(body)
+            mstatus, mbody = await conn.request(_get(host, "/metrics"))
+        finally:
+            await conn.close()
+        if replica is None or _replica_of(stats) == replica:
+            return stats, _parse_buckets(mstatus, mbody)
+    return None
+
+
+def _replica_of(stats: dict[str, Any]) -> Any:
+    log = stats.get("log")
+    return log.get("replica_id") if isinstance(log, dict) else None
+
+
+def _parse_buckets(status: int, body: bytes) -> dict[str, float]:
+    """Cumulative ``blendmatch_batch_queries`` buckets from a ``/metrics`` answer."""
     out: dict[str, float] = {}
     if status != 200:
         return out
@@ -479,8 +489,7 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
                     event_batch: int = 50, chunk_size: int = 256, check: Any = None,
                     event_first_id: int = 1 << 60, generator: str = "python",
                     server_pid: int | None = None) -> PhaseResult:
-    before = await _stats(host, port) if tokens else None
-    buckets0 = await _batch_buckets(host, port) if tokens else {}
+    snap0 = await _snapshot(host, port) if tokens else None
     stop = asyncio.Event()
     stream = None
     if event_rate > 0:
@@ -503,10 +512,10 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
                       generator=generator, p999_ms=pct[3])
     if cpu0 is not None and cpu1 is not None and n:
         res.server_cpu_us_per_req = (cpu1 - cpu0) / n * 1e6
-    if tokens:
-        res.batch_histogram = _histogram(buckets0, await _batch_buckets(host, port))
-    if before is not None:
-        after = await _stats(host, port)
+    snap1 = await _snapshot(host, port, replica=_replica_of(snap0[0])) if snap0 is not None else None
+    if snap0 is not None and snap1 is not None:  # one process's batches (one worker's with --workers)
+        (before, buckets0), (after, buckets1) = snap0, snap1
+        res.batch_histogram = _histogram(buckets0, buckets1)
         b0, b1 = before.get("batcher"), after.get("batcher")  # absent on other servers (LMCache's)
         batches = b1["batches"] - b0["batches"] if b0 and b1 else 0
         res.mean_batch = (b1["queries"] - b0["queries"]) / batches if batches else None
