@@ -194,9 +194,12 @@ def b64_token_count(value: str | bytes) -> int:
     return max(0, (n // 4 * 3 - pad) // 4)
 
 
-def decode_b64_many(values: Sequence[str | bytes], field: str = "tokens_b64") -> list[np.ndarray | TokenDecodeError]:
-    """Decode several ``tokens_b64`` strings in one ``nogil`` kernel call (a value may also
-    be the string's ASCII bytes, as :func:`split_b64_value` takes them out of a body).
+def decode_b64_many(values: Sequence[str | bytes], field: str = "tokens_b64", *,
+                    ascii_bytes: bool = False) -> list[np.ndarray | TokenDecodeError]:
+    """Decode several ``tokens_b64`` strings in one ``nogil`` kernel call. With
+    ``ascii_bytes`` a value may also be the string's ASCII bytes, as
+    :func:`split_b64_value` takes them out of a body (the lookup thread); elsewhere bytes
+    are not a base64 string (a Python caller's mistake, named as such).
 
     Each item is a read-only uint32 array or the :class:`TokenDecodeError` for that string
     (returned, not raised, so one bad query does not fail its neighbours). Run it where
@@ -207,7 +210,7 @@ def decode_b64_many(values: Sequence[str | bytes], field: str = "tokens_b64") ->
     encoded: list[bytes] = []
     errors: dict[int, TokenDecodeError] = {}
     for k, value in enumerate(values):
-        if isinstance(value, bytes) and value.isascii():
+        if ascii_bytes and isinstance(value, bytes) and value.isascii():
             encoded.append(value)
             continue
         if not isinstance(value, str):

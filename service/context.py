@@ -83,7 +83,7 @@ def _decode_errors(queries: list[LookupQuery]) -> list[TokenDecodeError | None]:
     disabled, so that bad input is still a 422)."""
     strings = [(i, q[0]) for i, q in enumerate(queries) if isinstance(q[0], (str, bytes))]
     errors: list[TokenDecodeError | None] = [None] * len(queries)
-    for (i, _), got in zip(strings, decode_b64_many([v for _, v in strings]), strict=True):
+    for (i, _), got in zip(strings, decode_b64_many([v for _, v in strings], ascii_bytes=True), strict=True):
         if isinstance(got, TokenDecodeError):
             errors[i] = got
     return errors
@@ -295,7 +295,7 @@ class ServiceContext:
         decoded: dict[int, np.ndarray] = {}
         if pending:
             strings = [queries[i][0] for i in pending]
-            for i, got in zip(pending, decode_b64_many(strings), strict=True):
+            for i, got in zip(pending, decode_b64_many(strings, ascii_bytes=True), strict=True):
                 if isinstance(got, TokenDecodeError):
                     out[i] = got
                 else:

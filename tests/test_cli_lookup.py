@@ -59,7 +59,8 @@ def _flag_helps(add_flags) -> dict[str, str]:
     parser = argparse.ArgumentParser()
     add_flags(parser)
     return {a.option_strings[-1] if a.option_strings else a.dest: a.help % {"default": a.default}
-            for a in parser._actions if not isinstance(a, argparse._HelpAction)}
+            for a in parser._actions
+            if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS}  # hidden: internal
 
 
 def test_every_serve_flag_states_its_default_and_lmcache_equivalent():

@@ -239,12 +239,13 @@ def test_decode_b64_many_takes_bytes_as_strings():
 
     values = ["AQAAAAIAAAA=", "AQAAAAIAAA", "AQ*AAAAA", "", "AQAAAA=A"]
     as_str = decode_b64_many(values)
-    as_bytes = decode_b64_many([v.encode() for v in values])
+    as_bytes = decode_b64_many([v.encode() for v in values], ascii_bytes=True)
     for a, b in zip(as_str, as_bytes, strict=True):
         if isinstance(a, np.ndarray):
             np.testing.assert_array_equal(a, b)
         else:
             assert type(a) is type(b) and str(a) == str(b)
+    assert "got bytes" in str(decode_b64_many([b"AQAAAA=="])[0])  # only where asked for
 
 
 @pytest.mark.anyio
