@@ -181,6 +181,10 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help=_help("seconds a SIGTERM/SIGINT stop may take: drain, final checkpoint"))
     g.add_argument("--max-ready-lag", type=int, default=d["max_ready_lag"].default,
                    help=_help("with events from a log: /readyz answers 503 while the lag exceeds this many records"))
+    g.add_argument("--refuse-lookups-until-ready", action="store_true",
+                   help=_help("answer lookups 503 until /readyz first says ready, instead of from a partly restored "
+                              "or caught-up index (on for --workers children: the kernel cannot route by readiness)",
+                              default="off"))
     g = p.add_argument_group("fleet transport (docs/fleet.md)")
     g.add_argument("--event-transport", choices=("http", "kafka"), default=d["event_transport"].default,
                    help=_help("http: POST /events applies here; kafka: follow the topic, and POST /events and the "
@@ -353,6 +357,7 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         checkpoint_path=args.checkpoint_path,
         checkpoint_interval=args.checkpoint_interval, require_checkpoint=args.require_checkpoint,
         graceful_timeout=args.graceful_timeout, max_ready_lag=args.max_ready_lag,
+        refuse_lookups_until_ready=args.refuse_lookups_until_ready,
         upstream_coordinator=_with_scheme(args.upstream_coordinator), upstream_timeout=args.upstream_timeout,
         upstream_connect_timeout=args.upstream_connect_timeout, upstream_queue_size=args.upstream_queue_size,
         upstream_queue_bytes=args.upstream_queue_bytes,

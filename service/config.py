@@ -101,6 +101,9 @@ class ServiceConfig(BaseModel):
                                     description="seconds a SIGTERM/SIGINT stop may take (drain, final checkpoint)")
     max_ready_lag: int = Field(default=1000, ge=0,
                                description="with events from a log: /readyz is 503 while the lag exceeds this")
+    refuse_lookups_until_ready: bool = Field(
+        default=False, description="answer lookups 503 until /readyz first says ready (the restore is done and the "
+                                   "log caught up); set for --workers children, which no Service routes by readiness")
 
     # running in front of an existing LMCache coordinator (service/upstream.py)
     upstream_coordinator: str = Field(

@@ -139,6 +139,7 @@ class ServiceContext:
                          if config.event_transport == "kafka" else InstanceRegistry(config.instance_timeout))
         self._reaper: asyncio.Task[None] | None = None
         self._events_executor: ThreadPoolExecutor | None = None
+        self._serving = not config.refuse_lookups_until_ready
         self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
                                      require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
                                      directory=lambda: self.directory, registry=self.metrics.registry)
@@ -264,11 +265,28 @@ class ServiceContext:
         except TokenLimitExceeded as exc:
             raise LimitExceeded(f"{exc.reason} (--max-request-tokens)") from None
 
+    def check_serving(self) -> None:
+        """With ``refuse_lookups_until_ready``: 503 (:class:`ServiceUnavailable`) until
+        readiness first holds, so that no lookup is answered from a partly restored or
+        partly caught-up index where nothing routes by ``/readyz``. Once ready it stays open
+        (the index never goes back; a later lag is a freshness question, as on any replica),
+        so the hot path then pays one attribute read."""
+        if self._serving:
+            return
+        ready, reasons = self.durability.readiness()
+        if ready and self.fatal is None:
+            self._serving = True
+            log.info("ready: answering lookups")
+            return
+        why = "; ".join(reasons) if reasons else f"fatal: {self.fatal}"
+        raise ServiceUnavailable(f"not ready yet ({why}): this server answers lookups once it has caught up; retry")
+
     async def lookup(self, query: LookupQuery) -> bytes:
         """One query through the batcher -> its ``{"matches": ...}`` JSON bytes.
 
         Raises :class:`TokenDecodeError` when its ``tokens_b64`` does not decode.
         """
+        self.check_serving()
         if not self.blend_enabled:
             _check_decodes([query])
             return _EMPTY_MATCHES
@@ -279,6 +297,7 @@ class ServiceContext:
 
     async def lookup_many(self, queries: list[LookupQuery]) -> list[bytes | BaseException]:
         """Several queries through the batcher; each item is its JSON bytes or its exception."""
+        self.check_serving()
         if not self.blend_enabled:
             return [_EMPTY_MATCHES if err is None else err for err in _decode_errors(queries)]
         return await self.lookups.submit_many(queries, return_exceptions=True)

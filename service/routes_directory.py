@@ -84,6 +84,7 @@ async def lookup_keys(body: DirectoryLookupRequest, ctx: Ctx, request: Request) 
         raise NotSupported("the token_ids form of /directory/lookup needs the fleet's token hasher, which "
                            "blendmatch does not have; send 'keys', use /directory/blend-lookup, or run with "
                            "--upstream-coordinator")
+    ctx.check_serving()
     keys = [ObjectKey(bytes.fromhex(k.chunk_hash_hex), k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
             for k in body.keys]
     return await ctx.read(_lookup, ctx.directory, keys)

@@ -11,7 +11,8 @@ Shape:
 - the parent validates the flags (the same parser and config as one process), then starts
   N children: ``blendmatch serve`` with the same flags plus ``--replica-id <id>-w<i>``,
   ``--checkpoint-path <path>.w<i>`` when checkpoints are on, ``--engine-threads`` (CPUs
-  split between the workers, unless given) and ``--reuse-port``;
+  split between the workers, unless given), ``--reuse-port`` and
+  ``--refuse-lookups-until-ready``;
 - each child binds its own listening socket with ``SO_REUSEPORT``; the kernel spreads new
   connections over them (Linux allows this only between sockets of the same user, so no
   other user's process can join the port);
@@ -19,6 +20,10 @@ Shape:
   one child exits, the parent stops the others and exits with the first non-zero status
   (0 if all stopped cleanly): a supervisor above (systemd, Kubernetes) restarts the whole,
   which is simpler to reason about than a partly running set.
+
+The kernel spreads connections without asking ``/readyz``, so a worker still restoring or
+catching up with the log answers lookups 503 (``--refuse-lookups-until-ready``) instead
+of from a partial index; once it has been ready it answers as any replica does.
 
 Each worker answers ``/readyz``, ``/metrics`` and ``/directory/stats`` for itself (a scrape
 through the shared port reaches one of them; ``replica_id`` in the stats says which).
@@ -77,7 +82,7 @@ def worker_argv(argv: Sequence[str], index: int, *, replica_id: str, checkpoint_
         if a.startswith("--workers="):
             continue
         out.append(a)
-    out += ["--replica-id", f"{replica_id}-w{index}", "--reuse-port"]
+    out += ["--replica-id", f"{replica_id}-w{index}", "--reuse-port", "--refuse-lookups-until-ready"]
     if checkpoint_path:
         out += ["--checkpoint-path", f"{checkpoint_path}.w{index}"]
     if engine_threads is None:

@@ -345,7 +345,11 @@ def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_
             with httpx.Client(base_url=url, timeout=30) as c:  # a new connection: the kernel picks a worker
                 rid = c.get("/directory/stats").json()["log"]["replica_id"]
                 body = {"queries": [{"token_ids": q.tolist(), "model_name": MODEL} for q in queries]}
-                if c.post("/directory/blend-lookup/batch", json=body).json()["results"] == want:
+                got = c.post("/directory/blend-lookup/batch", json=body)
+                if got.status_code == 503:  # this worker has not caught up yet: it says so
+                    assert "not ready yet" in got.json()["detail"]
+                    return False
+                if got.json()["results"] == want:
                     seen[rid] = seen.get(rid, 0) + 1
             return set(seen) == {"node-w0", "node-w1"}
 

@@ -249,3 +249,32 @@ async def test_fast_path_and_route_answer_identically():
         r = await client.post("/directory/blend-lookup", content=json.dumps(single).encode(),
                               headers={"content-type": "text/plain"})
         assert r.status_code == 415  # not JSON by its content type: refused before any parsing
+
+
+@pytest.mark.anyio
+async def test_refuse_lookups_until_ready_answers_503_then_stays_open():
+    """Where nothing routes by /readyz (``serve --workers``), a server still catching up
+    says so (503) instead of answering from a partial index; once ready it stays open."""
+    from service_support import MODEL, b64, chunks, config, events, served, store
+
+    rows = chunks(2, seed=11)
+    async with served(config(refuse_lookups_until_ready=True)) as (client, app):
+        ctx = app.state.blendmatch_context
+        assert (await client.post("/events", json=events(store("a", 1, rows)))).status_code == 200
+        real = ctx.durability.readiness
+        ctx.durability.readiness = lambda: (False, ["event log lag 5000 > --max-ready-lag 1000"])
+        body = {"tokens_b64": b64(rows.ravel()), "model_name": MODEL}
+        for path, payload in (("/directory/blend-lookup", body),
+                              ("/directory/blend-lookup/batch", {"queries": [body]}),
+                              ("/directory/lookup", {"keys": [{"chunk_hash_hex": "00ff", "model_name": MODEL,
+                                                               "kv_rank": 0}]})):
+            got = await client.post(path, json=payload)
+            assert got.status_code == 503 and "event log lag 5000" in got.json()["detail"], (path, got.text)
+        ctx.durability.readiness = real
+        got = await client.post("/directory/blend-lookup", json=body)
+        assert got.status_code == 200 and len(got.json()["matches"]) == 2
+        ctx.durability.readiness = lambda: (False, ["event log lag unknown"])  # later lag: still answers
+        assert (await client.post("/directory/blend-lookup", json=body)).status_code == 200
+    async with served(config()) as (client, app):  # the default answers at once
+        app.state.blendmatch_context.durability.readiness = lambda: (False, ["restoring checkpoint"])
+        assert (await client.post("/directory/blend-lookup", json={"tokens_b64": "", "model_name": MODEL})).status_code == 200

@@ -124,6 +124,6 @@ def test_worker_argv_gives_each_worker_its_identity(monkeypatch):
     argv = ["--port", "9300", "--workers", "2", "--event-transport", "kafka", "--workers=3"]
     got = worker_argv(argv, 1, replica_id="node", checkpoint_path="/d/c.ckpt", engine_threads=None, workers=2)
     assert got == ["--port", "9300", "--event-transport", "kafka", "--replica-id", "node-w1", "--reuse-port",
-                   "--checkpoint-path", "/d/c.ckpt.w1", "--engine-threads", "2"]
+                   "--refuse-lookups-until-ready", "--checkpoint-path", "/d/c.ckpt.w1", "--engine-threads", "2"]
     got = worker_argv(argv, 0, replica_id="n", checkpoint_path="", engine_threads=3, workers=2)
-    assert got[-2:] == ["n-w0", "--reuse-port"]
+    assert got[-3:] == ["n-w0", "--reuse-port", "--refuse-lookups-until-ready"]
