@@ -468,7 +468,12 @@ def _serve(argv: Sequence[str]) -> int:
     if args.reuse_port:  # a --workers child: its own socket on the shared port
         from .workers import reuse_port_socket
 
-        server.run(sockets=[reuse_port_socket(config.host, config.port)])
+        try:
+            sock = reuse_port_socket(config.host, config.port)
+        except OSError as exc:  # a port taken by a socket without SO_REUSEPORT, or another user's
+            logging.getLogger("blendmatch.service").error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+            return 1
+        server.run(sockets=[sock])
     else:
         server.run()
     if context.fatal is not None or server.exit_code:

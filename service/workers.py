@@ -16,6 +16,8 @@ Shape:
 - each child binds its own listening socket with ``SO_REUSEPORT``; the kernel spreads new
   connections over them (Linux allows this only between sockets of the same user, so no
   other user's process can join the port);
+- children run in their own process group (a terminal's Ctrl-C reaches the parent, which
+  forwards it once) and get SIGTERM if the parent dies, even by SIGKILL;
 - the parent forwards SIGTERM, SIGINT and SIGHUP (access-file reload) to every child. When
   one child exits, the parent stops the others and exits with the first non-zero status
   (0 if all stopped cleanly): a supervisor above (systemd, Kubernetes) restarts the whole,
@@ -66,6 +68,16 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """``prctl(PR_SET_PDEATHSIG, SIGTERM)`` where the C library has it (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_argv(argv: Sequence[str], index: int, *, replica_id: str, checkpoint_path: str | None,
                 engine_threads: int | None, workers: int) -> list[str]:
     """The ``serve`` flags of worker ``index``: the parent's, minus ``--workers``, plus this
@@ -113,7 +125,10 @@ def supervise(argv: Sequence[str], workers: int, *, replica_id: str, checkpoint_
             child = [sys.executable, "-m", "blendmatch", "serve",
                      *worker_argv(argv, i, replica_id=replica_id, checkpoint_path=checkpoint_path,
                                   engine_threads=engine_threads, workers=workers)]
-            procs.append(subprocess.Popen(child))
+            # Own process group: a terminal's Ctrl-C reaches the parent only, which forwards
+            # it once (two SIGINTs would make a child skip its graceful stop). SIGTERM to
+            # the child if the parent dies, even by SIGKILL: no orphaned workers on the port.
+            procs.append(subprocess.Popen(child, process_group=0, preexec_fn=_die_with_parent))
         log.info("started %d workers (replicas %s-w0..w%d), pids %s", workers, replica_id, workers - 1,
                  [p.pid for p in procs])
         first = None

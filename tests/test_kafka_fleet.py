@@ -372,3 +372,49 @@ def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_
             raise
     assert code == 0, log_path.read_text()[-3000:]
     assert (tmp_path / "node.ckpt.w0").exists() and (tmp_path / "node.ckpt.w1").exists()
+
+
+@pytest.mark.kafka
+def test_workers_stop_when_their_parent_is_killed(kafka_bootstrap, tmp_path):
+    """SIGKILL of the parent (no chance to forward anything): the workers get SIGTERM from
+    the kernel (PR_SET_PDEATHSIG) and stop, so none is left holding the port."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from kafka_support import ROOT, free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "blendmatch", "serve", "--workers", "2", "--host", "127.0.0.1",
+                             "--port", str(port), "--engine", "cpu", "--event-transport", "kafka",
+                             "--kafka-bootstrap-servers", kafka_bootstrap, "--kafka-topic", create_topic(kafka_bootstrap),
+                             "--replica-id", "k"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    _wait(up, 60, "the workers to listen")
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+    assert len(children) == 2
+    proc.kill()
+    proc.wait()
+
+    def gone() -> bool:
+        alive = []
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":  # a zombie has stopped; who reaps it is not the point here
+                alive.append(pid)
+        return not alive
+
+    _wait(gone, 40, "the workers to stop after their parent died")
+    assert not up()

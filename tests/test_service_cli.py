@@ -127,3 +127,19 @@ def test_worker_argv_gives_each_worker_its_identity(monkeypatch):
                    "--refuse-lookups-until-ready", "--checkpoint-path", "/d/c.ckpt.w1", "--engine-threads", "2"]
     got = worker_argv(argv, 0, replica_id="n", checkpoint_path="", engine_threads=3, workers=2)
     assert got[-3:] == ["n-w0", "--reuse-port", "--refuse-lookups-until-ready"]
+
+
+def test_workers_exit_1_when_the_port_is_taken(tmp_path):
+    """A port held by a socket without SO_REUSEPORT: each worker says it cannot listen, and
+    the parent stops the rest and exits 1 (no broker is contacted before the bind)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        got = subprocess.run([sys.executable, "-m", "blendmatch", "serve", "--workers", "2", "--host", "127.0.0.1",
+                              "--port", str(port), "--event-transport", "kafka", "--kafka-bootstrap-servers",
+                              "127.0.0.1:1", "--engine", "cpu"], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in got.stderr, got.stderr[-2000:]
