@@ -208,7 +208,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=int, default=1,
                    help=_help("replica processes sharing --port (SO_REUSEPORT), each following the topic: "
                               "needs --event-transport kafka; replica ids <id>-w<i>, checkpoints <path>.w<i>"))
+    g.add_argument("--worker-ports-from", type=int, default=0,
+                   help=_help("with --workers: worker i also serves alone on this port + i, so that metrics "
+                              "scrapes and readiness probes can reach each worker (0: off)", default="off"))
     g.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on --workers children
+    g.add_argument("--own-port", type=int, default=0, help=argparse.SUPPRESS)  # a child's --worker-ports-from port
 
 
 #: LMCache 0.5.6 coordinator flags that mean nothing here: accepted (so that an existing
@@ -408,6 +412,11 @@ def _serve(argv: Sequence[str]) -> int:
         parser.error(problems)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
+    if not 0 <= args.worker_ports_from <= 65535 - max(0, args.workers - 1):
+        parser.error(f"--worker-ports-from {args.worker_ports_from}: the ports from there to +{args.workers - 1} "
+                     "must lie in 1..65535 (0: off)")
+    if args.worker_ports_from and args.workers < 2:
+        parser.error("--worker-ports-from needs --workers 2 or more")
     if args.workers > 1 and config.event_transport != "kafka":
         parser.error("--workers needs --event-transport kafka: the workers share nothing but the event log, "
                      "so each must follow it (docs/fleet.md)")
@@ -430,7 +439,8 @@ def _serve(argv: Sequence[str]) -> int:
         from .workers import supervise
 
         return supervise(argv, args.workers, replica_id=config.replica_id or socket.gethostname(),
-                         checkpoint_path=config.checkpoint_path, engine_threads=config.engine_threads)
+                         checkpoint_path=config.checkpoint_path, engine_threads=config.engine_threads,
+                         own_ports_from=args.worker_ports_from)
 
     import uvicorn
 
@@ -468,12 +478,16 @@ def _serve(argv: Sequence[str]) -> int:
     if args.reuse_port:  # a --workers child: its own socket on the shared port
         from .workers import reuse_port_socket
 
-        try:
-            sock = reuse_port_socket(config.host, config.port)
-        except OSError as exc:  # a port taken by a socket without SO_REUSEPORT, or another user's
-            logging.getLogger("blendmatch.service").error("cannot listen on %s:%d: %s", config.host, config.port, exc)
-            return 1
-        server.run(sockets=[sock])
+        sockets = []
+        for port, shared in ((config.port, True), (args.own_port, False)):
+            if not port:
+                continue
+            try:
+                sockets.append(reuse_port_socket(config.host, port, shared=shared))
+            except OSError as exc:  # a port taken by a socket without SO_REUSEPORT, or another user's
+                logging.getLogger("blendmatch.service").error("cannot listen on %s:%d: %s", config.host, port, exc)
+                return 1
+        server.run(sockets=sockets)
     else:
         server.run()
     if context.fatal is not None or server.exit_code:

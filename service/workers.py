@@ -29,6 +29,8 @@ of from a partial index; once it has been ready it answers as any replica does.
 
 Each worker answers ``/readyz``, ``/metrics`` and ``/directory/stats`` for itself (a scrape
 through the shared port reaches one of them; ``replica_id`` in the stats says which).
+With ``--worker-ports-from P`` worker ``i`` also serves alone on port ``P + i``: scrape
+and probe those.
 """
 
 from __future__ import annotations
@@ -47,16 +49,18 @@ log = logging.getLogger("blendmatch.service.workers")
 __all__ = ["reuse_port_socket", "worker_argv", "supervise"]
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` with ``SO_REUSEPORT`` (one per worker)."""
-    if not hasattr(socket, "SO_REUSEPORT"):
+def reuse_port_socket(host: str, port: int, shared: bool = True) -> socket.socket:
+    """A listening TCP socket on ``host:port`` with ``SO_REUSEPORT`` (one per worker), or
+    without it for a worker's own port (``shared=False``)."""
+    if shared and not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("--workers needs SO_REUSEPORT, which this platform lacks")
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _name, addr = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(addr)
@@ -79,7 +83,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def worker_argv(argv: Sequence[str], index: int, *, replica_id: str, checkpoint_path: str | None,
-                engine_threads: int | None, workers: int) -> list[str]:
+                engine_threads: int | None, workers: int, own_ports_from: int = 0) -> list[str]:
     """The ``serve`` flags of worker ``index``: the parent's, minus ``--workers``, plus this
     worker's identity. argparse keeps the last value of a repeated flag, so appending wins."""
     out: list[str] = []
@@ -88,10 +92,10 @@ def worker_argv(argv: Sequence[str], index: int, *, replica_id: str, checkpoint_
         if skip:
             skip = False
             continue
-        if a == "--workers":
+        if a in ("--workers", "--worker-ports-from"):
             skip = True
             continue
-        if a.startswith("--workers="):
+        if a.startswith(("--workers=", "--worker-ports-from=")):
             continue
         out.append(a)
     out += ["--replica-id", f"{replica_id}-w{index}", "--reuse-port", "--refuse-lookups-until-ready"]
@@ -99,11 +103,13 @@ def worker_argv(argv: Sequence[str], index: int, *, replica_id: str, checkpoint_
         out += ["--checkpoint-path", f"{checkpoint_path}.w{index}"]
     if engine_threads is None:
         out += ["--engine-threads", str(max(1, (os.cpu_count() or 1) // workers))]
+    if own_ports_from:
+        out += ["--own-port", str(own_ports_from + index)]
     return out
 
 
 def supervise(argv: Sequence[str], workers: int, *, replica_id: str, checkpoint_path: str | None,
-              engine_threads: int | None) -> int:
+              engine_threads: int | None, own_ports_from: int = 0) -> int:
     """Run ``workers`` children until one exits; returns the exit status (see module doc)."""
     procs: list[subprocess.Popen] = []
     stopping = {"signal": 0}
@@ -124,7 +130,7 @@ def supervise(argv: Sequence[str], workers: int, *, replica_id: str, checkpoint_
         for i in range(workers):
             child = [sys.executable, "-m", "blendmatch", "serve",
                      *worker_argv(argv, i, replica_id=replica_id, checkpoint_path=checkpoint_path,
-                                  engine_threads=engine_threads, workers=workers)]
+                                  engine_threads=engine_threads, workers=workers, own_ports_from=own_ports_from)]
             # Own process group: a terminal's Ctrl-C reaches the parent only, which forwards
             # it once (two SIGINTs would make a child skip its graceful stop). SIGTERM to
             # the child if the parent dies, even by SIGKILL: no orphaned workers on the port.

@@ -314,10 +314,20 @@ def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_
 
     from kafka_support import ROOT, free_port
 
+    import socket
+
     topic = create_topic(kafka_bootstrap)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "workers.log"
+    for own in range(31_000, 32_000, 2):  # two free consecutive ports for --worker-ports-from
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", own))
+                b.bind(("127.0.0.1", own + 1))
+            break
+        except OSError:
+            continue
     ckpt = tmp_path / "node.ckpt"
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
@@ -325,7 +335,7 @@ def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_
              "--engine", "cpu", "--chunk-size", str(C), "--event-transport", "kafka",
              "--kafka-bootstrap-servers", kafka_bootstrap, "--kafka-topic", topic, "--kafka-group-id", "g",
              "--replica-id", "node", "--kafka-session-timeout-ms", "2000", "--checkpoint-path", str(ckpt),
-             "--log-level", "info"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+             "--worker-ports-from", str(own), "--log-level", "info"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:
             assert proc.poll() is None, log_path.read_text()[-3000:]
@@ -354,6 +364,10 @@ def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_
             return set(seen) == {"node-w0", "node-w1"}
 
         _wait(both_answer, 60, f"both workers to answer (seen {seen})")
+        for i in range(2):  # each worker alone on its own port: per-worker scrapes and probes
+            st = httpx.get(f"http://127.0.0.1:{own + i}/directory/stats", timeout=10).json()
+            assert st["log"]["replica_id"] == f"node-w{i}"
+            assert httpx.get(f"http://127.0.0.1:{own + i}/readyz", timeout=10).status_code == 200
 
         big = store("i-big", 1, np.full((4000, C), 4_000_000_000, dtype=np.uint32), first_hash=900_000,
                     incarnation=100)

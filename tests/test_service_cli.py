@@ -109,6 +109,9 @@ def test_lmcache_registry_defaults():
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "2"], "--workers needs --event-transport kafka"),
     (["--workers", "0"], "--workers must be >= 1"),
+    (["--worker-ports-from", "9400"], "--worker-ports-from needs --workers 2 or more"),
+    (["--workers", "3", "--worker-ports-from", "65534", "--event-transport", "kafka",
+      "--kafka-bootstrap-servers", "k:9092"], "must lie in 1..65535"),
 ])
 def test_workers_need_the_log(capsys, argv, message):
     """Workers share nothing but the event log: without Kafka there is nothing to follow."""
@@ -125,6 +128,9 @@ def test_worker_argv_gives_each_worker_its_identity(monkeypatch):
     got = worker_argv(argv, 1, replica_id="node", checkpoint_path="/d/c.ckpt", engine_threads=None, workers=2)
     assert got == ["--port", "9300", "--event-transport", "kafka", "--replica-id", "node-w1", "--reuse-port",
                    "--refuse-lookups-until-ready", "--checkpoint-path", "/d/c.ckpt.w1", "--engine-threads", "2"]
+    got = worker_argv([*argv, "--worker-ports-from", "9400"], 1, replica_id="n", checkpoint_path="",
+                      engine_threads=3, workers=2, own_ports_from=9400)
+    assert "--worker-ports-from" not in got and got[-2:] == ["--own-port", "9401"]
     got = worker_argv(argv, 0, replica_id="n", checkpoint_path="", engine_threads=3, workers=2)
     assert got[-3:] == ["n-w0", "--reuse-port", "--refuse-lookups-until-ready"]
 
