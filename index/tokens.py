@@ -453,14 +453,14 @@ def split_b64_value(body: bytes) -> Optional[tuple[bytes, bytes]]:
 
     Only the plain case is taken, so the model sees exactly what it would have: the body
     starts with ``{"tokens_b64"`` as its first key (JSON whitespace allowed around ``:``),
-    the value is a string with no backslash (no escape can end it early or change a
-    character) and only ASCII bytes (so the decoder's error positions are the same in bytes
-    as in characters), and no second ``"tokens_b64"`` follows (the parser would keep the
-    last one). Emptying a string leaves a string: ``check_one_form`` tells "not given" by
+    the body has no backslash anywhere (no escape can end the string early, change one of
+    its characters, or spell a second ``tokens_b64`` key differently), the value has only
+    ASCII bytes (so the decoder's error positions are the same in bytes as in characters),
+    and no second ``"tokens_b64"`` follows (the parser would keep the last one). Emptying a string leaves a string: ``check_one_form`` tells "not given" by
     ``None``, not by emptiness, and the model never reads the content (the decoder checks
     it on the lookup thread). Anything else: None, and the body is validated as sent.
     """
-    if not body.startswith(b'{"tokens_b64"'):
+    if not body.startswith(b'{"tokens_b64"') or body.find(b"\\") >= 0:
         return None
     n = len(body)
     i = 13
@@ -475,7 +475,7 @@ def split_b64_value(body: bytes) -> Optional[tuple[bytes, bytes]]:
         return None
     start = i + 1
     end = body.find(b'"', start)
-    if end < 0 or body.find(b"\\", start, end) >= 0:
+    if end < 0:
         return None
     value = body[start:end]
     if not value.isascii() or body.find(b'"tokens_b64"', end) >= 0:

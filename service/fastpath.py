@@ -151,10 +151,7 @@ def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
         taken = split_b64_value(body)
         if taken is not None:
             value, text = taken
-            parsed = model.model_validate_json(text)
-            if parsed.tokens_b64 == "":  # the emptied string, nothing else in its place
-                return parsed, value
-            return model.model_validate_json(body), None
+            return model.model_validate_json(text), value
     arrays = split_token_arrays(body, placeholder="empty")
     if arrays is not None:
         parsed = model.model_validate_json(arrays.text)

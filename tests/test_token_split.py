@@ -230,6 +230,7 @@ def test_split_b64_value_takes_only_the_plain_case():
                  b'{"tokens_b64": "AA\\u0041A", "model_name": "m"}',  # an escape
                  b'{"tokens_b64": "AA\xc3\xa9A", "model_name": "m"}',  # non-ASCII
                  b'{"tokens_b64": "AAAA", "tokens_b64": "BBBB"}',  # a second key
+                 b'{"tokens_b64": "AAAA", "tokens\\u005fb64": ""}',  # one spelled with an escape
                  b'{"tokens_b64": 5}', b'{"tokens_b64": "AAAA', b'{"tokens_b64" "AAAA"}'):
         assert split_b64_value(body) is None, body
 
@@ -269,6 +270,7 @@ async def test_b64_lookups_through_the_fast_path_answer_as_the_route():
         '{"tokens_b64": "%s=AAA", "model_name": %s}' % (q64[:-8], m),
         '{"tokens_b64": "%s", "model_name": %s, "tokens_b64": "%s"}' % (q64, m, other),
         '{"tokens_b64": "%s", "model_name": %s, "tokens_b64": ""}' % (q64, m),  # the last (empty) one counts
+        '{"tokens_b64": "%s", "model_name": %s, "tokens\\u005fb64": ""}' % (q64, m),  # the same, key escaped
         '{"tokens_b64": "%s", "token_ids": [1], "model_name": %s}' % (q64, m),
         '{"tokens_b64": "", "model_name": %s}' % m,
         '{"tokens_b64": "%s"}' % q64,
@@ -292,7 +294,7 @@ async def test_b64_lookups_through_the_fast_path_answer_as_the_route():
                                             headers={"content-type": "application/json"})
             assert (fast.status_code, fast.content) == (route.status_code, route.content), text[:60] + text[-60:]
             statuses.append(fast.status_code)
-        assert statuses[:4] == [200] * 4 and statuses[4:7] == [422] * 3 and statuses[7:11] == [200, 200, 422, 200]
+        assert statuses[:4] == [200] * 4 and statuses[4:7] == [422] * 3 and statuses[7:12] == [200, 200, 200, 422, 200]
         got = await fast_client.post("/directory/blend-lookup", content=cases[0].encode(),
                                      headers={"content-type": "application/json"})
         assert len(got.json()["matches"]) == 2
