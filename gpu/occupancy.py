@@ -27,25 +27,24 @@ import numpy as np
 __all__ = ["occupancy_words", "set_bit", "clear_bit", "is_occupied"]
 
 
-@numba.njit(cache=True, nogil=True)
-def _words_nb(table):  # pragma: no cover - compiled
-    n = table.shape[0]
-    words = np.zeros((n + 63) >> 6, dtype=np.uint64)
-    for s in range(n):
-        if table[s] != 0:
-            words[s >> 6] |= np.uint64(1) << np.uint64(s & 63)
-    return words
-
-
-def occupancy_words(table: np.ndarray) -> np.ndarray:
-    """The occupancy bits of a uint8 slot table (a full pass; rebuilds and test sources)."""
-    return _words_nb(np.ascontiguousarray(table, dtype=np.uint8))
-
-
 @numba.njit(inline="always", nogil=True)
 def set_bit(words, s):  # pragma: no cover - compiled
     """Mark slot ``s`` occupied."""
     words[s >> 6] |= np.uint64(1) << np.uint64(s & 63)
+
+
+@numba.njit(cache=True, nogil=True)
+def _words_nb(table):  # pragma: no cover - compiled
+    words = np.zeros((table.shape[0] + 63) >> 6, dtype=np.uint64)
+    for s in range(table.shape[0]):
+        if table[s] != 0:
+            set_bit(words, s)
+    return words
+
+
+def occupancy_words(table: np.ndarray) -> np.ndarray:
+    """The occupancy bits of a uint8 slot table (a full pass: test sources and new tables)."""
+    return _words_nb(np.ascontiguousarray(table, dtype=np.uint8))
 
 
 @numba.njit(inline="always", nogil=True)

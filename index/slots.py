@@ -150,9 +150,9 @@ class SlotArray:
         self.floor_size = 0  # set by a reservation: never shrink below it
         self._occupancy = filter == "occupancy"
         self._lock = threading.Lock()
-        self.table = np.zeros(min_size, dtype=np.uint8)
-        self._words = occupancy_words(self.table)
-        self.filter_arrays: tuple[np.ndarray, np.ndarray] = (self.table, self._words)
+        table = np.zeros(min_size, dtype=np.uint8)
+        #: ``(table, occupancy words)``: the one stored pair, replaced whole by a rebuild
+        self.filter_arrays: tuple[np.ndarray, np.ndarray] = (table, occupancy_words(table))
         self.generation = 0
         self.version = 0
         self.live = 0  # fingerprints currently inserted
@@ -165,6 +165,11 @@ class SlotArray:
 
     # -- reading -------------------------------------------------------------------------
     @property
+    def table(self) -> np.ndarray:
+        """The live uint8 table (read only; a rebuild swaps in a new one)."""
+        return self.filter_arrays[0]
+
+    @property
     def size(self) -> int:
         return int(self.table.shape[0])
 
@@ -175,7 +180,8 @@ class SlotArray:
     @property
     def nbytes(self) -> int:
         """Bytes held: the table and its occupancy bits."""
-        return int(self.table.nbytes) + int(self._words.nbytes)
+        table, words = self.filter_arrays
+        return int(table.nbytes) + int(words.nbytes)
 
     def changes_since(self, generation: int, version: int) -> SlotChanges:
         """Changes that bring a mirror at ``(generation, version)`` up to date."""
@@ -209,7 +215,7 @@ class SlotArray:
         if fps.size == 0:
             return
         with self._lock:
-            s, v, new_shared = _insert_nb(self.table, self._words, self.mask, fps, self._occupancy)
+            s, v, new_shared = _insert_nb(*self.filter_arrays, self.mask, fps, self._occupancy)
             self.live += int(fps.size)
             self.shared += int(new_shared)
             self._append_log(s, v)
@@ -220,7 +226,7 @@ class SlotArray:
         if fps.size == 0:
             return
         with self._lock:
-            s, v, stale = _remove_nb(self.table, self._words, self.mask, fps, self._occupancy)
+            s, v, stale = _remove_nb(*self.filter_arrays, self.mask, fps, self._occupancy)
             self.live -= int(fps.size)
             self.stale += int(stale)
             self._append_log(s, v)
@@ -249,7 +255,6 @@ class SlotArray:
         words = np.zeros((new_size + 63) >> 6, dtype=np.uint64)  # the insert below sets them
         _s, _v, new_shared = _insert_nb(table, words, new_size - 1, live_fps, self._occupancy)
         with self._lock:
-            self.table, self._words = table, words
             self.filter_arrays = (table, words)
             self.generation += 1
             self.version += 1

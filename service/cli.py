@@ -476,14 +476,14 @@ def _serve(argv: Sequence[str]) -> int:
     context = app.state.blendmatch_context
     context.on_fatal = server.fail
     if args.reuse_port:  # a --workers child: its own socket on the shared port
-        from .workers import reuse_port_socket
+        from .workers import listen_socket
 
         sockets = []
         for port, shared in ((config.port, True), (args.own_port, False)):
             if not port:
                 continue
             try:
-                sockets.append(reuse_port_socket(config.host, port, shared=shared))
+                sockets.append(listen_socket(config.host, port, shared=shared))
             except OSError as exc:  # a port taken by a socket without SO_REUSEPORT, or another user's
                 logging.getLogger("blendmatch.service").error("cannot listen on %s:%d: %s", config.host, port, exc)
                 return 1

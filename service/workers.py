@@ -46,12 +46,12 @@ from typing import Sequence
 
 log = logging.getLogger("blendmatch.service.workers")
 
-__all__ = ["reuse_port_socket", "worker_argv", "supervise"]
+__all__ = ["listen_socket", "worker_argv", "supervise"]
 
 
-def reuse_port_socket(host: str, port: int, shared: bool = True) -> socket.socket:
-    """A listening TCP socket on ``host:port`` with ``SO_REUSEPORT`` (one per worker), or
-    without it for a worker's own port (``shared=False``)."""
+def listen_socket(host: str, port: int, shared: bool = True) -> socket.socket:
+    """A listening TCP socket on ``host:port``: with ``SO_REUSEPORT`` for the port the
+    workers share, without it for a worker's own port (``shared=False``)."""
     if shared and not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("--workers needs SO_REUSEPORT, which this platform lacks")
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -84,21 +84,11 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 def worker_argv(argv: Sequence[str], index: int, *, replica_id: str, checkpoint_path: str | None,
                 engine_threads: int | None, workers: int, own_ports_from: int = 0) -> list[str]:
-    """The ``serve`` flags of worker ``index``: the parent's, minus ``--workers``, plus this
-    worker's identity. argparse keeps the last value of a repeated flag, so appending wins."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--workers", "--worker-ports-from"):
-            skip = True
-            continue
-        if a.startswith(("--workers=", "--worker-ports-from=")):
-            continue
-        out.append(a)
-    out += ["--replica-id", f"{replica_id}-w{index}", "--reuse-port", "--refuse-lookups-until-ready"]
+    """The ``serve`` flags of worker ``index``: the parent's, then this worker's own. argparse
+    keeps the last value of a repeated flag, so what is appended wins however the parent's
+    flags were spelled (abbreviated, ``--flag=value``)."""
+    out = [*argv, "--workers", "1", "--worker-ports-from", "0",
+           "--replica-id", f"{replica_id}-w{index}", "--reuse-port", "--refuse-lookups-until-ready"]
     if checkpoint_path:
         out += ["--checkpoint-path", f"{checkpoint_path}.w{index}"]
     if engine_threads is None:

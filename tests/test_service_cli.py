@@ -124,13 +124,16 @@ def test_worker_argv_gives_each_worker_its_identity(monkeypatch):
     from blendmatch.service.workers import worker_argv
 
     monkeypatch.setattr("os.cpu_count", lambda: 4)
-    argv = ["--port", "9300", "--workers", "2", "--event-transport", "kafka", "--workers=3"]
+    argv = ["--port", "9300", "--workers", "2", "--event-transport", "kafka", "--worker-p", "9400", "--workers=3"]
     got = worker_argv(argv, 1, replica_id="node", checkpoint_path="/d/c.ckpt", engine_threads=None, workers=2)
-    assert got == ["--port", "9300", "--event-transport", "kafka", "--replica-id", "node-w1", "--reuse-port",
+    assert got == [*argv, "--workers", "1", "--worker-ports-from", "0", "--replica-id", "node-w1", "--reuse-port",
                    "--refuse-lookups-until-ready", "--checkpoint-path", "/d/c.ckpt.w1", "--engine-threads", "2"]
+    parsed = _serve_parser().parse_args(got)  # the appended values win, however argv spelled them
+    assert (parsed.workers, parsed.worker_ports_from, parsed.replica_id, parsed.checkpoint_path) == (
+        1, 0, "node-w1", "/d/c.ckpt.w1")
     got = worker_argv([*argv, "--worker-ports-from", "9400"], 1, replica_id="n", checkpoint_path="",
                       engine_threads=3, workers=2, own_ports_from=9400)
-    assert "--worker-ports-from" not in got and got[-2:] == ["--own-port", "9401"]
+    assert got[-2:] == ["--own-port", "9401"] and _serve_parser().parse_args(got).worker_ports_from == 0
     got = worker_argv(argv, 0, replica_id="n", checkpoint_path="", engine_threads=3, workers=2)
     assert got[-3:] == ["n-w0", "--reuse-port", "--refuse-lookups-until-ready"]
 
@@ -149,3 +152,11 @@ def test_workers_exit_1_when_the_port_is_taken(tmp_path):
                               "--port", str(port), "--event-transport", "kafka", "--kafka-bootstrap-servers",
                               "127.0.0.1:1", "--engine", "cpu"], capture_output=True, text=True, timeout=120)
     assert got.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in got.stderr, got.stderr[-2000:]
+
+
+def _serve_parser():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cli._add_serve_flags(p)
+    return p
