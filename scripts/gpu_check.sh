@@ -124,7 +124,7 @@ deps_import() {
 make_shim() {  # last resort: the package-dir layout (blendmatch.index -> index/ ...) via symlinks
     local shim="$RES/.shim"
     rm -rf "$shim" && mkdir -p "$shim/blendmatch"
-    for f in "$REPO"/blendmatch/*; do ln -s "$f" "$shim/blendmatch/$(basename "$f")"; done
+    for f in "$REPO"/top/*; do ln -s "$f" "$shim/blendmatch/$(basename "$f")"; done
     for sub in bench index gpu service; do ln -s "$REPO/$sub" "$shim/blendmatch/$sub"; done
     export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
     echo "using a PYTHONPATH shim at $shim"

@@ -69,7 +69,6 @@ import json
 import logging
 import re
 import secrets
-import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Sequence
 
@@ -77,10 +76,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blendmatch.index.logsafe import log_safe
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+import tomllib
 
 __all__ = [
     "ROLES",

@@ -38,7 +38,7 @@ def installed(tmp_path_factory) -> Path:
     """The package as a wheel lays it out, in a folder of its own."""
     target = tmp_path_factory.mktemp("wheel-layout")
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md", "blendmatch", "bench", "gpu", "index", "service"):
+    for name in ("pyproject.toml", "README.md", "top", "bench", "gpu", "index", "service"):
         path = ROOT / name
         (shutil.copytree if path.is_dir() else shutil.copy2)(path, src / name)
     run = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
@@ -63,6 +63,16 @@ def test_the_graph_holds_every_room(installed):
         inside = {m for m in modules if m.startswith(f"blendmatch.{room}.")}
         assert len(inside) >= 3, f"the import graph has no modules of blendmatch.{room}: {sorted(modules)}"
     assert "blendmatch.gpu.fingerprint" in modules and "blendmatch.index.key_directory" in modules
+
+
+def test_the_rooms_import_from_the_repository_root(installed):
+    """No folder at the root shadows the installed package (a root ``blendmatch/`` once did)."""
+    assert not (ROOT / "blendmatch").exists()
+    code = "import blendmatch, blendmatch.gpu, blendmatch.index, blendmatch.service; print(blendmatch.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(installed),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(installed)), out.stdout
 
 
 def test_import_linter_contracts_are_kept(installed):
@@ -118,3 +128,13 @@ def test_importing_the_client_loads_no_server_code():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          timeout=120).stdout.strip()
     assert out == "", f"importing blendmatch.service.client loaded: {out}"
+
+
+def test_ci_runs_the_lowest_python_the_metadata_allows():
+    """``requires-python`` is a promise: CI runs its floor, so the floor is what is proven."""
+    import re
+    text = (ROOT / "pyproject.toml").read_text()
+    floor = tuple(int(x) for x in re.search(r'requires-python = ">=(\d+)\.(\d+)"', text).groups())
+    assert sys.version_info[:2] >= floor
+    if os.environ.get("CI"):
+        assert sys.version_info[:2] == floor, f"CI runs Python {sys.version_info[:2]}, the metadata says >= {floor}"
