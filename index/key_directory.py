@@ -76,6 +76,7 @@ from blendmatch.gpu import Engine
 from .blend_index import BlendIndex
 from .capacity import CapacityDeclarations, UsageLedger, instance_usage_report, usage_report
 from .gate import Admission, IngestGate
+from .holders import HolderWatch
 from .logsafe import log_safe
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
 from .wire import (
@@ -238,6 +239,14 @@ class KeyDirectory:
         self._entries_unfilled = 0
         self._entries_accessed = 0
         self._deferred: Optional[_DeferredNew] = None  # set only while apply_many holds the lock
+        self._watch: Optional[HolderWatch] = None  # the holder-set hook (holders.py), if any
+
+    def set_holder_watch(self, watch: Optional[HolderWatch]) -> None:
+        """Report holder-set changes at every batch boundary to ``watch`` (``holders.py``:
+        what a KV-events publisher republishes); None stops it. Set it before ingest starts
+        (changes before it are not reported)."""
+        with self._lock:
+            self._watch = watch
 
     # ------------------------------------------------------------------ blend lookup
     def enable_blend_lookup(self, chunk_size: int = 256, probe_stride: int = 1,
@@ -331,13 +340,25 @@ class KeyDirectory:
                 continue
             if verdict is not Admission.APPLY or not self._defers(batch):
                 self._flush_deferred()  # every other write sees the index as if applied in order
-            if verdict is Admission.FENCE_AND_APPLY:
-                result = self._fence_locked(batch.instance_id)
-                log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
-                         log_safe(batch.instance_id), batch.incarnation, result.placements)
-            if batch.event_type == "store":
-                self._classify_store_locked(batch, skipped)
-            self._apply_batch_locked(batch)
+            watch = self._watch
+            seen = None
+            try:
+                if verdict is Admission.FENCE_AND_APPLY:
+                    fence = watch.before_fence(self._bindings, batch.instance_id,
+                                               self._l1_chunks.get(batch.instance_id)) if watch else None
+                    result = self._fence_locked(batch.instance_id)
+                    if watch:
+                        watch.after_fence(self._bindings, fence)  # type: ignore[arg-type]
+                    log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
+                             log_safe(batch.instance_id), batch.incarnation, result.placements)
+                if batch.event_type == "store":
+                    self._classify_store_locked(batch, skipped)
+                seen = watch.before_batch(self._bindings, batch) if watch else None
+                self._apply_batch_locked(batch)
+            finally:
+                if watch:  # also after a failure: compare whatever the batch changed
+                    watch.after_batch(self._bindings, batch, seen)
+                    watch.commit()
             applied += 1
             entries += len(batch.entries)
         self._entries_applied += entries
@@ -392,7 +413,7 @@ class KeyDirectory:
         ``EventGate.drop_instance`` (the reaper: capacity kept) plus
         ``ServerConfigRegistry.forget`` (``DELETE /instances/{id}``)."""
         with self._lock:
-            result = self._fence_locked(instance_id)
+            result = self._watched_fence(instance_id)
             self._gate.forget(instance_id)
             if forget_capacity:
                 self._capacity.forget(instance_id)
@@ -403,7 +424,22 @@ class KeyDirectory:
         restart); its L2 placements and shared-pool placements stay. Keys left without
         placements die, and with them their namespaces' claims. Idempotent."""
         with self._lock:
+            return self._watched_fence(instance_id)
+
+    def _watched_fence(self, instance_id: str) -> FenceResult:
+        """A fence from outside the event stream (registry expiry, deregistration): its own
+        boundary for the holder watch."""
+        watch = self._watch
+        if watch is None:
             return self._fence_locked(instance_id)
+        self._flush_deferred()
+        fence = watch.before_fence(self._bindings, instance_id, self._l1_chunks.get(instance_id))
+        try:
+            result = self._fence_locked(instance_id)
+            watch.after_fence(self._bindings, fence)
+        finally:
+            watch.commit()
+        return result
 
     # ------------------------------------------------------------------ reads
     def lookup(self, keys: Iterable[ObjectKey]) -> list[tuple[Placement, ...]]:
@@ -584,9 +620,9 @@ class KeyDirectory:
         """Forget everything (a cold start after a failed restore): an empty directory with
         a fresh, empty index on the same engine (no second engine selection)."""
         with self._lock:
-            index, lock = self._index, self._lock
+            index, lock, watch = self._index, self._lock, self._watch
             self.__init__()  # type: ignore[misc]
-            self._lock = lock
+            self._lock, self._watch = lock, watch
             if index is not None:
                 self._index = BlendIndex(chunk_size=index.chunk_size, probe_stride=index.probe_stride,
                                          engine=index.engine, filter=index.filter)  # type: ignore[arg-type]

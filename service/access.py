@@ -54,6 +54,14 @@ Access file::
     cidrs = ["10.20.0.0/24", "fd00:20::/64"]
     roles = ["producer", "reader"]
 
+    [kv_events]                         # optional (issue 25, docs/kv-events.md)
+    expose = true                       # allow KV-events endpoints beyond loopback
+    curve_secret_key_file = "server.key_secret"   # optional: CurveZMQ (zmq.auth certificate)
+    curve_clients_dir = "clients/"      # optional: only these clients' public keys may connect
+
+The ``[kv_events]`` table is read when the server starts (its sockets exist from then on);
+a SIGHUP reload does not rebind them.
+
 Reloaded on SIGHUP (``AccessControl.reload``): a file that does not load leaves the old policy
 in force and is logged; no state is dropped either way.
 """
@@ -254,8 +262,11 @@ class AccessPolicy:
     """An immutable, loaded policy (protected mode, or one access file). Thread-safe reads."""
 
     def __init__(self, *, source: str | None, keys: Sequence[tuple[bytes, Grant]] = (),
-                 networks: Sequence[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, Grant]] = ()) -> None:
+                 networks: Sequence[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, Grant]] = (),
+                 kv_events: Optional[Mapping[str, Any]] = None) -> None:
         self.source = source
+        #: the ``[kv_events]`` table (issue 25): ``expose``, ``curve_secret_key_file``, ``curve_clients_dir``
+        self.kv_events: dict[str, Any] = dict(kv_events or {})
         self.keys = tuple(keys)
         self.networks = tuple(networks)
         self._peer_cache: dict[str, tuple[tuple[Grant, ...], frozenset[str]]] = {}
@@ -283,10 +294,19 @@ class AccessPolicy:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str) -> "AccessPolicy":
-        unknown = set(data) - {"key", "network"}
+        unknown = set(data) - {"key", "network", "kv_events"}
         if unknown:
             raise AccessFileError(f"access file {source}: unknown tables {sorted(unknown)} (expected [[key]], "
-                                  f"[[network]])")
+                                  f"[[network]], [kv_events])")
+        kv_events = data.get("kv_events", {})
+        if not isinstance(kv_events, dict):
+            raise AccessFileError(f"access file {source}: kv_events must be a table ([kv_events])")
+        _only(kv_events, {"expose", "curve_secret_key_file", "curve_clients_dir"}, f"access file {source}: [kv_events]")
+        if not isinstance(kv_events.get("expose", False), bool):
+            raise AccessFileError(f"access file {source}: [kv_events] expose must be true or false")
+        for name in ("curve_secret_key_file", "curve_clients_dir"):
+            if not isinstance(kv_events.get(name, ""), str):
+                raise AccessFileError(f"access file {source}: [kv_events] {name} must be a path string")
         keys: list[tuple[bytes, Grant]] = []
         seen_digests: set[bytes] = set()
         for i, entry in enumerate(_table_list(data, "key", source)):
@@ -315,7 +335,7 @@ class AccessPolicy:
                 except ValueError as exc:
                     raise AccessFileError(f"{where}: cidrs: {exc}") from None
                 networks.append((net, grant))
-        return cls(source=source, keys=keys, networks=networks)
+        return cls(source=source, keys=keys, networks=networks, kv_events=kv_events)
 
     def describe(self) -> str:
         """One line: the access mode (the service's first log line)."""

@@ -212,6 +212,18 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help=_help("with --workers: worker i also serves alone on this port + i, so that metrics "
                               "scrapes and readiness probes can reach each worker (0: off)", default="off"))
     g.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on --workers children
+    # issue 25 flags (KV events; drop when the flags are generated from ServiceConfig)
+    k = p.add_argument_group("vLLM KV events for routers (docs/kv-events.md)")
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        k.add_argument("--" + name.replace("_", "-"), default=d[name].default, metavar="ZMQ",
+                       help=_help(d[name].description))
+    for name in ("kv_events_buffer_steps", "kv_events_hwm", "kv_events_max_queue_size"):
+        k.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default,
+                       help=_help(d[name].description))
+    k.add_argument("--kv-events-encoding", choices=("map", "array"), default=d["kv_events_encoding"].default,
+                   help=_help(d["kv_events_encoding"].description))
+    for name in ("kv_events_int_hashes", "kv_events_legacy_replay"):
+        k.add_argument("--" + name.replace("_", "-"), action="store_true", help=_help(d[name].description))
     g.add_argument("--own-port", type=int, default=0, help=argparse.SUPPRESS)  # a child's --worker-ports-from port
 
 
@@ -367,6 +379,11 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         upstream_queue_bytes=args.upstream_queue_bytes,
         access_file=args.access_file, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         ssl_ca_certs=args.ssl_ca_certs, **_fleet_args(args),
+        # issue 25 flags
+        **{name: getattr(args, name) for name in (
+            "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps", "kv_events_hwm",
+            "kv_events_max_queue_size", "kv_events_encoding", "kv_events_int_hashes", "kv_events_legacy_replay")
+            if hasattr(args, name)},
     )
 
 
@@ -417,6 +434,9 @@ def _serve(argv: Sequence[str]) -> int:
                      "must lie in 1..65535 (0: off)")
     if args.worker_ports_from and args.workers < 2:
         parser.error("--worker-ports-from needs --workers 2 or more")
+    if args.workers > 1 and config.kv_events_endpoint:  # issue 25
+        parser.error("--kv-events-endpoint with --workers: the workers would publish one stream N times; run the "
+                     "publishing replica as its own process (docs/kv-events.md)")
     if args.workers > 1 and config.event_transport != "kafka":
         parser.error("--workers needs --event-transport kafka: the workers share nothing but the event log, "
                      "so each must follow it (docs/fleet.md)")
@@ -447,6 +467,16 @@ def _serve(argv: Sequence[str]) -> int:
     from .app import create_app
 
     import signal
+
+    if config.kv_events_endpoint:  # issue 25: refuse an ungranted exposure before anything starts
+        from .publish import EndpointNotAllowed
+        from .publish.setup import settings_from_config
+        from .publish.publisher import KVEventsPublisher
+
+        try:
+            KVEventsPublisher(settings_from_config(config))
+        except (EndpointNotAllowed, ValueError) as exc:
+            parser.error(str(exc))
 
     app = create_app(config, access=access)
     control = app.access  # type: ignore[attr-defined]

@@ -134,6 +134,23 @@ class ServiceConfig(BaseModel):
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000, le=300_000,
                                           description="the reaper role moves this long after its holder died")
 
+    # issue 25: the admitted stream republished as vLLM KV events (service/publish/,
+    # docs/kv-events.md); vLLM's KVEventsConfig names and defaults
+    kv_events_endpoint: str = Field(default="", description="ZMQ PUB endpoint for vLLM KV events (binds when it "
+                                    "contains *, ::, ipc:// or inproc://, else connects); empty: off")
+    kv_events_replay_endpoint: str = Field(default="", description="ZMQ ROUTER endpoint (bound) answering replay "
+                                           "requests; empty: no replay")
+    kv_events_buffer_steps: int = Field(default=10_000, ge=1, description="messages kept for replay")
+    kv_events_hwm: int = Field(default=100_000, ge=0, description="ZMQ send high-water mark of the PUB socket")
+    kv_events_max_queue_size: int = Field(default=100_000, ge=1, description="messages waiting to be sent; past "
+                                          "it they are dropped (counted), never blocking ingest")
+    kv_events_encoding: Literal["map", "array"] = Field(default="map", description="map: tagged maps (vLLM >= "
+                                                        "0.30); array: tagged arrays (older vLLM)")
+    kv_events_int_hashes: bool = Field(default=False, description="block hashes as the low 64 bits (int), as "
+                                       "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; else bytes")
+    kv_events_legacy_replay: bool = Field(default=False, description="replay answers without the topic frame "
+                                          "(vLLM before #45177)")
+
     @field_validator("upstream_coordinator")
     @classmethod
     def _check_upstream(cls, url: str) -> str:
@@ -150,6 +167,8 @@ class ServiceConfig(BaseModel):
             raise ValueError("ssl_ca_certs (client certificates) needs ssl_certfile (the server's certificate)")
         if self.event_transport == "kafka" and not self.kafka_bootstrap_servers.strip():
             raise ValueError("--event-transport kafka needs --kafka-bootstrap-servers")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.max_body_bytes is None:
             object.__setattr__(self, "max_body_bytes",
                                self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES)

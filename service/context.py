@@ -157,6 +157,14 @@ class ServiceContext:
                                              fatal=lambda: self.fatal, note_ingested=self.note_ingested)
             self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
             self.durability.lag = self.source.lag
+        #: The vLLM KV-events publisher (``--kv-events-endpoint``, issue 25), or None.
+        self.kv_events: Any = None
+        if config.kv_events_endpoint:
+            from .publish.setup import build_publisher
+
+            self.kv_events = build_publisher(config, registry=self.metrics.registry)
+            self.directory.set_holder_watch(self.kv_events.watch)
+            self.durability.register_section("kv_events", self.kv_events.snapshot, self.kv_events.restore)
         #: Why the server must not go on (a required checkpoint missing, an incompatible
         #: one): set by the restore; the CLI exits non-zero through ``on_fatal``.
         self.fatal: BaseException | None = None
@@ -188,6 +196,8 @@ class ServiceContext:
 
     async def start(self) -> None:
         self._events_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blendmatch-events")
+        if self.kv_events is not None:  # its sockets first: a bad endpoint stops the start-up here
+            self.kv_events.start()
         await self.lookups.start()
         index = self.directory.blend_index
         if index is not None:  # on the lookup thread: the first batch pays no compilation or page-in
@@ -250,6 +260,8 @@ class ServiceContext:
             await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
         if self.upstream is not None:  # after the events thread: every applied request has been queued
             await self.upstream.stop()
+        if self.kv_events is not None:  # after the events thread: every applied change is queued
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_events.stop)
         self.durability.stop_periodic()
         if self.durability.enabled and self.durability.restored and self.fatal is None:
             try:

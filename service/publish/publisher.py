@@ -1,0 +1,396 @@
+"""The admitted stream, republished as vLLM KV events: a ZMQ PUB socket plus a ROUTER replay.
+
+Question answered: "how does a router that speaks vLLM's KV events (Dynamo, llm-d, SGLang's
+gateway) learn what the fleet's LMCache tiers hold?" The directory's holder watch
+(``index/holders.py``) hands :meth:`KVEventsPublisher.sink` the holder-set changes of every
+batch boundary, under the directory lock. The sink turns them into messages (one per topic
+touched: ``[topic, seq, EventBatch]``), numbers them, and puts them on a bounded queue; one
+thread encodes (``wire.py``) and sends them. So:
+
+- **deterministic**: a message's seq, topic, ts and events are a function of the applied
+  stream alone (seq advances with it, ts is the batch's own ``ts``), so replicas that apply
+  the same log publish byte-identical ``(topic, seq, payload)`` streams, and a restarted
+  replica (seq in its checkpoint, section ``kv_events``) re-publishes from its checkpoint
+  the very messages it had published (a subscriber drops seqs it has seen).
+- **never blocks ingest**: the sink only numbers and queues; a full queue drops the
+  message (its seq is spent: subscribers see a gap and may replay it from another replica)
+  and counts it. ZMQ's own per-subscriber high-water mark (``--kv-events-hwm``) drops
+  silently for a slow subscriber, as in vLLM; its seq gap tells it to replay.
+- **replay** (vLLM's protocol): a request is one frame, the 8-byte big-endian start seq;
+  the answer is every buffered message with seq >= start as ``[identity, b"", topic, seq,
+  payload]`` (``legacy_replay``: without the topic frame, as vLLM before #45177), then the
+  end marker seq -1 with an empty payload. Anything else is ignored and counted.
+- **fences**: on each topic of a fenced instance, ``AllBlocksCleared`` when the fence
+  leaves nothing on the topic (the usual case: only its L1 is there), else
+  ``BlockRemoved`` of the fenced chunks (its private L2 copies outlive a restart).
+
+Endpoints follow vLLM's ``KVEventsConfig``: the PUB endpoint binds when it contains ``*``,
+``::``, ``ipc://`` or ``inproc://`` and connects otherwise; the replay endpoint binds.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from blendmatch.index.holders import HolderChanges, HolderWatch
+
+from .wire import END_SEQ, EventEncoder, medium_of, seq_bytes, topic_of
+
+__all__ = ["KVEventsSettings", "KVEventsPublisher", "EndpointNotAllowed", "is_bind_endpoint", "is_local_endpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class EndpointNotAllowed(ValueError):
+    """An endpoint beyond loopback without the access file's grant."""
+
+
+@dataclass(frozen=True)
+class KVEventsSettings:
+    """What ``--kv-events-*`` configure (vLLM's ``KVEventsConfig`` names)."""
+
+    endpoint: str
+    replay_endpoint: Optional[str] = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    encoding: str = "map"
+    int_hashes: bool = False
+    legacy_replay: bool = False
+    max_queue: int = 100_000
+    #: from the access file's ``[kv_events]`` table (``service/access.py``)
+    expose: bool = False
+    curve_secret_key_file: Optional[str] = None
+    curve_clients_dir: Optional[str] = None
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether an endpoint stays on this host's loopback (or is ipc/inproc)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    if ";" in host:  # tcp://src;dst: the destination decides
+        host = host.split(";", 1)[1]
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a host name: beyond loopback
+
+
+class KVEventsPublisher:
+    """See the module docstring. ``registry``: a prometheus ``CollectorRegistry`` for the
+    metrics (None: counters only in :meth:`stats`)."""
+
+    def __init__(self, settings: KVEventsSettings, registry: Any = None) -> None:
+        for ep in filter(None, (settings.endpoint, settings.replay_endpoint)):
+            if not is_local_endpoint(ep) and not settings.expose:
+                raise EndpointNotAllowed(
+                    f"KV-events endpoint {ep} is beyond loopback: every tenant's token ids flow on it, so it needs "
+                    f"an explicit grant: an access file (--access-file) with `[kv_events]` `expose = true` "
+                    f"(docs/security.md)")
+        if settings.buffer_steps < 1 or settings.hwm < 0 or settings.max_queue < 1:
+            raise ValueError("kv-events buffer steps and queue size must be >= 1, hwm >= 0")
+        self.settings = settings
+        self.encoder = EventEncoder(settings.encoding, settings.int_hashes)
+        self.watch = HolderWatch(self.sink)
+        self._next_seq = 0
+        self._counts: dict[str, dict[str, int]] = {}  # topic -> medium -> chunks published there
+        self._queue: queue.Queue = queue.Queue(maxsize=settings.max_queue)
+        self._buffer: deque[tuple[bytes, int, bytes]] = deque(maxlen=settings.buffer_steps)
+        self._thread: Optional[threading.Thread] = None
+        self._running = False
+        self._ctx: Any = None
+        self._pub: Any = None
+        self._replay: Any = None
+        self._auth: Any = None
+        self.bound_endpoint: Optional[str] = None
+        self.bound_replay_endpoint: Optional[str] = None
+        self.counters = {"batches": 0, "dropped": 0, "tokenless": 0, "send_errors": 0, "replay_requests": 0,
+                         "replay_bad_requests": 0, "replayed": 0}
+        self.events = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
+        self._metrics = _Metrics(registry) if registry is not None else None
+
+    # ------------------------------------------------------------------ the sink (directory lock held)
+    def sink(self, changes: HolderChanges) -> None:
+        """Number and queue the messages of one batch boundary (never blocks)."""
+        msgs: dict[str, list[tuple]] = {}
+        counts = self._counts
+        if changes.tokenless:
+            self.counters["tokenless"] += changes.tokenless
+            if self._metrics:
+                self._metrics.tokenless.inc(changes.tokenless)
+        if changes.fenced is not None and changes.fence_removed:
+            by_topic: dict[str, dict[str, list[bytes]]] = {}
+            for spot, hashes in changes.fence_removed.items():
+                by_topic.setdefault(topic_of(spot), {}).setdefault(medium_of(spot), []).extend(hashes)
+            for topic, by_medium in by_topic.items():
+                held = counts.setdefault(topic, {})
+                if sum(held.values()) == sum(map(len, by_medium.values())):
+                    msgs.setdefault(topic, []).append(("clear",))
+                    held.clear()
+                    continue
+                for medium, hashes in by_medium.items():
+                    msgs.setdefault(topic, []).append(("removed", hashes, medium))
+                    held[medium] -= len(hashes)
+        for spot, hashes in changes.removed.items():
+            topic, medium = topic_of(spot), medium_of(spot)
+            msgs.setdefault(topic, []).append(("removed", hashes, medium))
+            counts[topic][medium] -= len(hashes)
+        for spot, chunks in changes.stored.items():
+            topic, medium = topic_of(spot), medium_of(spot)
+            msgs.setdefault(topic, []).append(("stored", chunks.hashes, chunks.tokens, medium))
+            held = counts.setdefault(topic, {})
+            held[medium] = held.get(medium, 0) + len(chunks.hashes)
+        if not msgs:
+            return
+        item = []
+        for topic, specs in msgs.items():
+            item.append((topic.encode(), self._next_seq, changes.ts, specs))
+            self._next_seq += 1
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.counters["dropped"] += len(item)
+            if self._metrics:
+                self._metrics.dropped.inc(len(item))
+            if self.counters["dropped"] == len(item) or self.counters["dropped"] % 10_000 < len(item):
+                log.warning("kv-events queue full: dropped %d messages so far (seq %d..%d this time)",
+                            self.counters["dropped"], item[0][1], item[-1][1])
+
+    # ------------------------------------------------------------------ checkpoint section
+    def snapshot(self) -> dict[str, Any]:
+        """The ``kv_events`` checkpoint section (called with the directory lock held)."""
+        return {"version": 1, "next_seq": self._next_seq, "last_ts": self.watch.last_ts,
+                "counts": {t: dict(m) for t, m in self._counts.items() if any(m.values())}}
+
+    def restore(self, doc: dict[str, Any]) -> None:
+        if doc.get("version") != 1:
+            raise ValueError(f"unsupported kv_events section version {doc.get('version')!r}")
+        self._next_seq = int(doc["next_seq"])
+        self.watch.last_ts = float(doc["last_ts"])
+        self._counts = {str(t): {str(m): int(n) for m, n in ms.items()} for t, ms in doc["counts"].items()}
+        log.info("kv-events: restored seq %d from the checkpoint", self._next_seq)
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Create the sockets (errors raise here, before anything is served) and the thread."""
+        import zmq
+
+        s = self.settings
+        self._ctx = zmq.Context()
+        try:
+            curve = self._curve_keys(zmq)
+            pub = self._pub = self._ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, s.hwm)
+            pub.setsockopt(zmq.LINGER, 0)
+            self._secure(pub, curve)
+            if is_bind_endpoint(s.endpoint):
+                pub.bind(s.endpoint)
+                self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                pub.connect(s.endpoint)
+                self.bound_endpoint = s.endpoint
+            if s.replay_endpoint:
+                rep = self._replay = self._ctx.socket(zmq.ROUTER)
+                rep.setsockopt(zmq.SNDHWM, 2 * (s.buffer_steps + 1))  # a full replay plus its marker
+                rep.setsockopt(zmq.LINGER, 0)
+                self._secure(rep, curve)
+                rep.bind(s.replay_endpoint)
+                self.bound_replay_endpoint = rep.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception:
+            self._close()
+            raise
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="blendmatch-kv-events", daemon=True)
+        self._thread.start()
+        log.info("kv-events: publishing on %s (%s encoding%s), replay %s, from seq %d", self.bound_endpoint,
+                 s.encoding, ", int hashes" if s.int_hashes else "", self.bound_replay_endpoint or "off",
+                 self._next_seq)
+
+    def _curve_keys(self, zmq: Any) -> Optional[tuple[bytes, bytes]]:
+        s = self.settings
+        if not s.curve_secret_key_file:
+            return None
+        import zmq.auth
+
+        public, secret = zmq.auth.load_certificate(s.curve_secret_key_file)
+        if not secret:
+            raise ValueError(f"{s.curve_secret_key_file} holds no secret key (a zmq certificate's .key_secret file)")
+        if s.curve_clients_dir:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=s.curve_clients_dir)
+        return public, secret
+
+    @staticmethod
+    def _secure(sock: Any, curve: Optional[tuple[bytes, bytes]]) -> None:
+        if curve is not None:
+            sock.curve_secretkey = curve[1]
+            sock.curve_publickey = curve[0]
+            sock.curve_server = True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout``), then close the sockets."""
+        if self._thread is not None:
+            self._running = False
+            self._thread.join(timeout)
+            self._thread = None
+        self._close()
+
+    def _close(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        get = self._queue.get
+        while self._running or not self._queue.empty():
+            if self._replay is not None:
+                self._serve_replays()
+            try:
+                item = get(timeout=0.02)
+            except queue.Empty:
+                continue
+            try:
+                self._send(item)
+            except Exception:  # noqa: BLE001 - the thread must outlive any one message
+                self.counters["send_errors"] += 1
+                log.exception("kv-events: a message could not be sent")
+            finally:
+                self._queue.task_done()
+
+    def _send(self, item: list[tuple]) -> None:
+        import zmq
+
+        enc = self.encoder
+        pub = self._pub
+        for topic, seq, ts, specs in item:
+            events: list[bytes] = []
+            for spec in specs:
+                kind = spec[0]
+                if kind == "stored":
+                    got = enc.stored(spec[1], spec[2], spec[3])
+                    self.events["BlockStored"] += len(got)
+                    events.extend(got)
+                elif kind == "removed":
+                    events.append(enc.removed(spec[1], spec[2]))
+                    self.events["BlockRemoved"] += 1
+                else:
+                    events.append(enc.cleared())
+                    self.events["AllBlocksCleared"] += 1
+            payload = enc.batch(ts, events)
+            sb = seq_bytes(seq)
+            self._buffer.append((topic, seq, payload))
+            pub.send_multipart((topic, sb, payload), flags=zmq.NOBLOCK, copy=len(payload) < 65536)
+            self.counters["batches"] += 1
+            if self._metrics:
+                self._metrics.observe(specs, seq)
+
+    def _serve_replays(self) -> None:
+        import zmq
+
+        rep = self._replay
+        for _ in range(16):  # a few per pass: the queue is the critical path
+            try:
+                frames = rep.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.counters["replay_requests"] += 1
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self.counters["replay_bad_requests"] += 1
+                if self._metrics:
+                    self._metrics.replays.labels("bad").inc()
+                log.warning("kv-events: ignored a bad replay request (%d frames, sizes %s)", len(frames),
+                            [len(f) for f in frames[:4]])
+                continue
+            if self._metrics:
+                self._metrics.replays.labels("ok").inc()
+            ident = frames[0]
+            start = int.from_bytes(frames[2], "big")
+            legacy = self.settings.legacy_replay
+            try:
+                for topic, seq, payload in list(self._buffer):
+                    if seq >= start:
+                        parts = (ident, b"", seq_bytes(seq), payload) if legacy else \
+                            (ident, b"", topic, seq_bytes(seq), payload)
+                        rep.send_multipart(parts, flags=zmq.NOBLOCK)
+                        self.counters["replayed"] += 1
+                rep.send_multipart((ident, b"", END_SEQ, b"") if legacy else (ident, b"", b"", END_SEQ, b""),
+                                   flags=zmq.NOBLOCK)
+            except zmq.Again:  # the requester stopped reading: its replay is cut short
+                self.counters["send_errors"] += 1
+
+    # ------------------------------------------------------------------ reads
+    def stats(self) -> dict[str, Any]:
+        return {"endpoint": self.bound_endpoint, "replay_endpoint": self.bound_replay_endpoint,
+                "encoding": self.settings.encoding, "int_hashes": self.settings.int_hashes,
+                "next_seq": self._next_seq, "queued": self._queue.qsize(), "buffered": len(self._buffer),
+                **self.counters, "events": dict(self.events)}
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Until every queued message was sent (tests, benchmarks); False on timeout."""
+        import time
+
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.002)
+        return True
+
+
+class _Metrics:
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge
+
+        r = registry
+        self.batches = Counter("blendmatch_kv_events_batches", "KV-event messages published (one EventBatch each)",
+                               registry=r)
+        self.events = Counter("blendmatch_kv_events_events", "KV events published, by type", ["type"], registry=r)
+        self.dropped = Counter("blendmatch_kv_events_dropped", "messages dropped because the publish queue was "
+                                                               "full (their seqs are gaps)", registry=r)
+        self.tokenless = Counter("blendmatch_kv_events_tokenless", "first placements of chunks without tokens, "
+                                                                   "not published", registry=r)
+        self.replays = Counter("blendmatch_kv_events_replay_requests", "replay requests, by outcome (ok, bad: "
+                                                                       "ignored)", ["outcome"], registry=r)
+        self.seq = Gauge("blendmatch_kv_events_last_seq", "seq of the last message published", registry=r)
+
+    def observe(self, specs: list[tuple], seq: int) -> None:
+        self.batches.inc()
+        for spec in specs:
+            if spec[0] == "stored":
+                self.events.labels("BlockStored").inc(len(spec[1]))
+            elif spec[0] == "removed":
+                self.events.labels("BlockRemoved").inc()
+            else:
+                self.events.labels("AllBlocksCleared").inc()
+        self.seq.set(seq)

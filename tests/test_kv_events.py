@@ -1,0 +1,232 @@
+"""The admitted stream as vLLM KV events (issue 25): vLLM's own classes decode every
+message, and a subscriber fed over real ZMQ sockets holds exactly the directory's holder set.
+
+vLLM's ``kv_events.py`` comes out of real wheels (``tests/vllm_events_support.py``): 0.33.0
+for tagged maps, 0.20.0 for tagged arrays.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from blendmatch.index import KeyDirectory
+from blendmatch.index.holders import HolderWatch
+from blendmatch.service.publish import (END_SEQ, EndpointNotAllowed, EventEncoder, KVEventsPublisher, KVEventsSettings,
+                                        is_bind_endpoint, is_local_endpoint)
+from kv_events_support import WAIT_MS, Subscriber, Workload, expected_holders
+from vllm_events_support import decode_batch, vllm_kv_events
+
+CHUNK = 16
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+@pytest.mark.parametrize("int_hashes", [False, True])
+def test_encoding_is_vllms_byte_for_byte(encoding, int_hashes):
+    """Our bytes equal msgspec's encoding of vLLM's own structs, and decode back strictly."""
+    V = vllm_kv_events(encoding)
+    rng = np.random.default_rng(7)
+    hashes = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(3)]
+    tokens = rng.integers(0, 1 << 32, (3, 256), dtype=np.uint64).astype(np.uint32)
+    tokens[0, :200] = rng.integers(0, 300, 200)  # every msgpack int width: 1, 2, 3 and 5 bytes
+    tokens[1, :5] = [0, 127, 128, 255, 256]
+    tokens[1, 5:10] = [65535, 65536, (1 << 32) - 1, 1, 0]
+    enc = EventEncoder(encoding, int_hashes)
+    ragged = [np.arange(5, dtype=np.uint32), np.arange(300, 307, dtype=np.uint32)]
+    payload = enc.batch(1_700_000_123.25, enc.stored(hashes, tokens, "lmcache-l1")
+                        + enc.stored(hashes[:2], ragged, "lmcache-l2-redis")
+                        + [enc.removed(hashes[:2], "lmcache-l2-redis"), enc.cleared()])
+
+    def wh(h):
+        return int.from_bytes(h, "big") & ((1 << 64) - 1) if int_hashes else h
+
+    def stored(h, t, medium):
+        return V.BlockStored(block_hashes=[wh(h)], parent_block_hash=None, token_ids=list(map(int, t)),
+                             block_size=len(t), lora_id=None, medium=medium, lora_name=None)
+
+    ref = V.KVEventBatch(ts=1_700_000_123.25, data_parallel_rank=0, events=[
+        *[stored(h, t, "lmcache-l1") for h, t in zip(hashes, tokens)],
+        *[stored(h, t, "lmcache-l2-redis") for h, t in zip(hashes[:2], ragged)],
+        V.BlockRemoved(block_hashes=[wh(h) for h in hashes[:2]], medium="lmcache-l2-redis"),
+        V.AllBlocksCleared()])
+    assert decode_batch(encoding, payload) == ref
+    assert payload == msgspec.msgpack.encode(ref)
+
+
+def test_the_other_encoding_is_refused_by_each_vllm():
+    """The two encodings are not interchangeable: each vLLM release rejects the other's
+    events (so the flag matters, and the decode test above is not vacuous)."""
+    enc_map, enc_arr = EventEncoder("map"), EventEncoder("array")
+    for mine, other in ((enc_map, "array"), (enc_arr, "map")):
+        payload = mine.batch(1.0, [mine.cleared()])
+        with pytest.raises(msgspec.ValidationError):
+            decode_batch(other, payload)
+
+
+def test_endpoint_rules():
+    assert is_bind_endpoint("tcp://*:5557") and is_bind_endpoint("tcp://[::]:5557")
+    assert is_bind_endpoint("ipc:///tmp/x") and is_bind_endpoint("inproc://x")
+    assert not is_bind_endpoint("tcp://10.0.0.5:5557") and not is_bind_endpoint("tcp://127.0.0.1:5557")
+    assert is_local_endpoint("tcp://127.0.0.1:5557") and is_local_endpoint("tcp://[::1]:5557")
+    assert is_local_endpoint("tcp://localhost:1") and is_local_endpoint("ipc:///run/kv")
+    assert not is_local_endpoint("tcp://*:5557") and not is_local_endpoint("tcp://10.0.0.5:5557")
+    with pytest.raises(EndpointNotAllowed, match="expose = true"):
+        KVEventsPublisher(KVEventsSettings(endpoint="tcp://*:5557"))
+    with pytest.raises(EndpointNotAllowed):
+        KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:1", replay_endpoint="tcp://0.0.0.0:2"))
+    KVEventsPublisher(KVEventsSettings(endpoint="tcp://*:5557", expose=True))  # granted: no error
+
+
+def _publisher(encoding="map", int_hashes=False, **kw) -> KVEventsPublisher:
+    pub = KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+                                             encoding=encoding, int_hashes=int_hashes, **kw))
+    pub.start()
+    return pub
+
+
+def _directory(pub: KVEventsPublisher) -> KeyDirectory:
+    d = KeyDirectory()
+    d.enable_blend_lookup(chunk_size=CHUNK, engine="reference")
+    d.set_holder_watch(pub.watch)
+    return d
+
+
+@pytest.mark.parametrize("encoding,int_hashes", [("map", False), ("array", True)])
+def test_subscriber_holds_exactly_the_directorys_holder_set(encoding, int_hashes):
+    """Live SUB (gaps filled by replay) after each phase of a seeded workload, and a SUB that
+    joins at the end and replays from seq 0: both hold exactly the directory's holder set."""
+    pub = _publisher(encoding, int_hashes)
+    ctx = zmq.Context()
+    try:
+        d = _directory(pub)
+        sub = Subscriber(ctx, pub.bound_endpoint, pub.bound_replay_endpoint, encoding)
+        work = Workload(seed=25, chunk_size=CHUNK)
+        kinds: dict[str, int] = {}
+        for phase in range(6):
+            work.run(d, 120)
+            assert pub.wait_idle(WAIT_MS / 1000)
+            sub.catch_up(pub.next_seq - 1)
+            assert sub.holders == expected_holders(d, int_hashes), f"phase {phase}"
+        for _, _, payload in sub.stream:
+            for ev in decode_batch(encoding, payload).events:
+                kinds[type(ev).__name__] = kinds.get(type(ev).__name__, 0) + 1
+        # the workload reached every kind of change
+        assert kinds.get("BlockStored") and kinds.get("BlockRemoved") and kinds.get("AllBlocksCleared"), kinds
+        assert pub.counters["tokenless"] > 0 and pub.counters["dropped"] == 0
+        assert sub.live > 0  # the PUB socket carried messages, not only the replays
+        topics = {t for t, _, _ in sub.holders}
+        assert any(t.startswith("kv@pool:redis@") for t in topics) and any(t.startswith("kv@gpu-") for t in topics)
+        assert {m for _, m, _ in sub.holders} >= {"lmcache-l1", "lmcache-l2-redis", "lmcache-l2-disk"}
+
+        late = Subscriber(ctx, pub.bound_endpoint, pub.bound_replay_endpoint, encoding)
+        late.replay_from(0)
+        assert late.last == pub.next_seq - 1 and late.holders == expected_holders(d, int_hashes)
+        assert late.stream == sub.stream  # the same bytes live and replayed
+        sub.close()
+        late.close()
+    finally:
+        pub.stop()
+        ctx.destroy(linger=0)
+
+
+def test_breaking_the_hook_breaks_the_equality():
+    """The equality above is not vacuous: a watch that misses fences diverges."""
+    pub = _publisher()
+    ctx = zmq.Context()
+    try:
+        d = _directory(pub)
+
+        class NoFences(HolderWatch):
+            def after_fence(self, bindings, token):  # forgets what a fence removed
+                pass
+
+        broken = NoFences(pub.sink)
+        pub.watch = broken
+        d.set_holder_watch(broken)
+        sub = Subscriber(ctx, pub.bound_endpoint, pub.bound_replay_endpoint, "map")
+        Workload(seed=25, chunk_size=CHUNK).run(d, 400)
+        assert pub.wait_idle(WAIT_MS / 1000)
+        try:
+            sub.catch_up(pub.next_seq - 1)
+            diverged = sub.holders != expected_holders(d)
+        except (AssertionError, KeyError):  # stored twice / removed what it never held
+            diverged = True
+        assert diverged
+    finally:
+        pub.stop()
+        ctx.destroy(linger=0)
+
+
+def test_replay_buffer_bad_requests_and_legacy_form():
+    pub = _publisher(buffer_steps=5)
+    legacy = _publisher(legacy_replay=True)
+    ctx = zmq.Context()
+    try:
+        d, d2 = _directory(pub), _directory(legacy)
+        work, work2 = Workload(seed=3, chunk_size=CHUNK), Workload(seed=3, chunk_size=CHUNK)
+        work.run(d, 60)
+        work2.run(d2, 60)
+        assert pub.wait_idle(WAIT_MS / 1000) and legacy.wait_idle(WAIT_MS / 1000)
+        assert pub.next_seq > 5
+        req = ctx.socket(zmq.DEALER)
+        req.connect(pub.bound_replay_endpoint)
+        # bad requests: too many frames, a seq that is not 8 bytes, an empty one
+        req.send_multipart([b"", b"\x00" * 8, b"extra"])
+        req.send_multipart([b"", b"garbage"])
+        req.send_multipart([b""])
+        req.send_multipart([b"", (0).to_bytes(8, "big")])  # then a good one: the publisher still answers
+        got = []
+        while True:
+            assert req.poll(WAIT_MS)
+            frames = req.recv_multipart()
+            got.append(frames)
+            if frames[2] == END_SEQ:
+                break
+        # only the last buffer_steps messages are kept: the answer starts there
+        seqs = [int.from_bytes(f[2], "big") for f in got[:-1]]
+        assert seqs == list(range(pub.next_seq - 5, pub.next_seq))
+        assert got[-1] == [b"", b"", END_SEQ, b""]
+        assert all(f[1].startswith(b"kv@") for f in got[:-1])
+        assert pub.counters["replay_bad_requests"] == 3 and pub.counters["replay_requests"] == 4
+        # the legacy form: [b"", seq, payload] and the marker [b"", END_SEQ, b""]
+        req2 = ctx.socket(zmq.DEALER)
+        req2.connect(legacy.bound_replay_endpoint)
+        req2.send_multipart([b"", (legacy.next_seq - 2).to_bytes(8, "big")])
+        frames = []
+        while not frames or frames[-1][1] != END_SEQ:
+            assert req2.poll(WAIT_MS)
+            frames.append(req2.recv_multipart())
+        assert [len(f) for f in frames] == [3, 3, 3] and frames[-1] == [b"", END_SEQ, b""]
+        decode_batch("map", frames[0][2])
+        # both publishers saw the same stream: same seqs, same payloads
+        assert frames[0][2] == [p for t, s, p in pub._buffer if s == legacy.next_seq - 2][0]
+        req.close(0)
+        req2.close(0)
+    finally:
+        pub.stop()
+        legacy.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_full_queue_drops_and_counts_never_blocks():
+    """Without a running thread nothing drains the queue: stores past it are dropped and
+    counted, their seqs spent (a subscriber sees the gap), and ingest goes on."""
+    pub = KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:*", max_queue=2))
+    d = _directory(pub)
+    Workload(seed=1, chunk_size=CHUNK).run(d, 50)
+    assert pub.counters["dropped"] > 0
+    queued = sum(map(len, pub._queue.queue))  # one item per batch boundary, one message per topic
+    assert pub._queue.qsize() == 2 and pub.next_seq == pub.counters["dropped"] + queued
+
+
+def test_seq_and_counts_round_trip_through_the_checkpoint_section():
+    pub = KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:*"))
+    d = _directory(pub)
+    Workload(seed=9, chunk_size=CHUNK).run(d, 80)
+    doc = pub.snapshot()
+    again = KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:*"))
+    again.restore(doc)
+    assert again.next_seq == pub.next_seq > 0 and again.snapshot() == doc
+    assert doc["last_ts"] > 1_700_000_000
