@@ -59,9 +59,10 @@ class StoredChunks(NamedTuple):
 
 
 class HolderChanges(NamedTuple):
-    """What one batch boundary changed in the holder set, in the order a subscriber must
-    apply it: ``fenced`` (the instance whose private L1 copies were dropped first, or None)
-    with ``fence_removed``, then ``removed``, then ``stored``. ``ts`` is the stream's time
+    """What one batch boundary changed in the holder set (a pure function of the applied
+    stream: spots sorted, hashes in entry order), in the order a subscriber must apply it:
+    ``fenced`` (the instance whose private L1 copies were dropped first, or None) with
+    ``fence_removed``, then ``removed``, then ``stored``. ``ts`` is the stream's time
     of the boundary (the batch's ``ts``; the last one seen when the batch carries none, or
     for a fence that came from outside the event stream). ``tokenless``: first placements
     of chunks without tokens at a spot, left out."""
@@ -140,7 +141,8 @@ class HolderWatch:
     def before_fence(self, bindings: dict, instance_id: str, chunks: Optional[set]) -> tuple[str, dict]:
         """Views of the chunk hashes that fencing ``instance_id`` touches (its L1 chunks)."""
         self._fenced = instance_id
-        return instance_id, {h: self._view(bindings[h], False) for h in chunks or ()}
+        # sorted: a set's order follows the per-process hash seed, and the changes must not
+        return instance_id, {h: self._view(bindings[h], False) for h in sorted(chunks or ())}
 
     # ------------------------------------------------------------------ after
     def after_fence(self, bindings: dict, token: tuple[str, dict]) -> None:
@@ -227,7 +229,9 @@ class HolderWatch:
 
     # ------------------------------------------------------------------ commit
     def commit(self) -> None:
-        """End of a batch boundary: hand what changed to the sink (nothing when nothing did)."""
+        """End of a batch boundary: hand what changed to the sink (nothing when nothing did).
+        Spots come sorted (they were gathered from sets, whose order follows the process's
+        hash seed); each spot's hashes in the batch's entry order (sorted for a fence)."""
         if not (self._fenced or self._removed or self._stored or self._fast or self._tokenless):
             return
         stored: dict[Spot, StoredChunks] = {}
@@ -245,8 +249,8 @@ class HolderWatch:
                 stored[spot] = StoredChunks(hashes, np.stack(rows))
             else:
                 stored[spot] = StoredChunks(hashes, rows)
-        changes = HolderChanges(self.last_ts, self._fenced, self._fence_removed, self._removed, stored,
-                                self._tokenless)
+        changes = HolderChanges(self.last_ts, self._fenced, dict(sorted(self._fence_removed.items())),
+                                dict(sorted(self._removed.items())), dict(sorted(stored.items())), self._tokenless)
         self._reset()
         self._sink(changes)
 

@@ -451,6 +451,8 @@ class ServiceContext:
         stats["registry"] = self.registry.counters()
         if self.source is not None:
             stats["log"] = self.source.stats()
+        if self.kv_events is not None:
+            stats["kv_events"] = self.kv_events.stats()
         stats["engine"] = self.engine_info()
         stats["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
                             "max_batch_tokens": self.config.max_batch_tokens,

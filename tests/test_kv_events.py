@@ -230,3 +230,42 @@ def test_seq_and_counts_round_trip_through_the_checkpoint_section():
     again.restore(doc)
     assert again.next_seq == pub.next_seq > 0 and again.snapshot() == doc
     assert doc["last_ts"] > 1_700_000_000
+
+
+_STREAM_DIGEST = """
+import hashlib, sys
+sys.path.insert(0, {tests!r})
+from blendmatch.index import KeyDirectory
+from blendmatch.service.publish import KVEventsPublisher, KVEventsSettings
+from kv_events_support import Workload
+pub = KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:*", buffer_steps=1_000_000))
+pub.start()
+d = KeyDirectory()
+d.enable_blend_lookup(chunk_size=16, engine="reference")
+d.set_holder_watch(pub.watch)
+Workload(seed=25, chunk_size=16).run(d, 600)
+assert pub.wait_idle(60)
+digest = hashlib.sha256()
+for topic, seq, payload in pub._buffer:
+    digest.update(topic + seq.to_bytes(8, "big") + payload)
+print(pub.next_seq, digest.hexdigest())
+pub.stop()
+"""
+
+
+def test_the_stream_does_not_depend_on_the_hash_seed():
+    """Two processes with different hash seeds (set and dict orders differ) publish the
+    same bytes for the same applied stream: what replicas rely on."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _STREAM_DIGEST.format(tests=str(Path(__file__).parent))
+    outs = set()
+    for seed in ("1", "2", "3"):
+        got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert got.returncode == 0, got.stderr[-2000:]
+        outs.add(got.stdout.strip())
+    assert len(outs) == 1, outs
