@@ -36,8 +36,17 @@ its own bookkeeping) plus the index's token blocks that are mapped straight from
 blocks, so every per-chunk figure carries up to ``8 MiB / entries`` of block slack: use
 100k entries or more.
 
+``--kv-events`` (issue 25) adds ``packed_kv_events``: the packed form with a vLLM
+KV-events publisher attached (``service/publish``) and a subscriber draining it on a
+thread, alternating with the other forms; ``kv_events_overhead`` is its relative loss of
+ingest rate, ``packed_kv_events_drain_s`` how long the publisher took to send what was
+still queued when ingest ended (not in the rate). ``--kv-events-rate R`` (default 100,000)
+adds ``packed_paced`` and ``packed_paced_kv_events``: the same requests offered at R
+entries/s, off and on; ``*_achieved_entries_per_s`` and ``*_cpu_us_per_entry`` for each,
+``kv_events_paced_overhead`` the relative loss of achieved rate.
+
 Run: ``python -m blendmatch.bench.events [--entries N] [--batch N] [--chunk-size N]
-[--engine cpu] [--repeats N] [--no-memory] [--json]``.
+[--engine cpu] [--repeats N] [--no-memory] [--json] [--kv-events]``.
 """
 
 from __future__ import annotations
@@ -134,15 +143,72 @@ def _new_directory(chunk_size: int, engine: str) -> KeyDirectory:
     return d
 
 
+class _Publishing:
+    """``--kv-events``: a vLLM KV-events publisher on loopback with one subscriber draining
+    it on a thread (what a router would do, here on the same two cores)."""
+
+    def __init__(self, d: KeyDirectory) -> None:
+        import threading
+
+        import zmq
+
+        from blendmatch.service.publish import KVEventsPublisher, KVEventsSettings
+
+        self.pub = KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:*", buffer_steps=1000))
+        self.pub.start()
+        d.set_holder_watch(self.pub.watch)
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(self.pub.bound_endpoint)
+        self.received = 0
+        self.bytes = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+        time.sleep(0.2)  # let the subscription reach the publisher (not timed)
+
+    def _drain(self) -> None:
+        while not self._stop:
+            if self.sub.poll(50):
+                frames = self.sub.recv_multipart(copy=False)
+                self.received += 1
+                self.bytes += len(frames[2])
+
+    def close(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.pub.wait_idle(600)
+        drain_s = time.perf_counter() - t0
+        while self.received < self.pub.next_seq and time.perf_counter() - t0 < 10:
+            time.sleep(0.01)
+        self._stop = True
+        self.thread.join()
+        self.sub.close(0)
+        self.ctx.term()
+        self.pub.stop()
+        return {"drain_s": drain_s, "messages": float(self.pub.next_seq), "received": float(self.received),
+                "payload_bytes": float(self.bytes), "dropped": float(self.pub.counters["dropped"])}
+
+
 def _apply_all(requests: list[dict[str, Any]], chunk_size: int,
-               engine: str) -> tuple[KeyDirectory, dict[str, float]]:
-    """One timed run into a fresh directory; ``rss0`` is the resident set just before it."""
+               engine: str, publish: bool = False, rate: float = 0.0) -> tuple[KeyDirectory, dict[str, float]]:
+    """One timed run into a fresh directory; ``rss0`` is the resident set just before it.
+    ``publish``: with a KV-events publisher attached (its drain after ingest is reported,
+    not counted in ``total_s``)."""
     d = _new_directory(chunk_size, engine)
+    publishing = _Publishing(d) if publish else None
     gc.collect()
     rss0 = _rss_bytes()
     parse_s = apply_s = 0.0
     cpu0 = time.process_time()
+    start = time.perf_counter()
+    done = 0
     for req in requests:
+        if rate > 0:  # offered load: request k is due at start + entries before it / rate
+            wait = start + done / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            done += sum(len(b["entries"]) for b in req["batches"])
         t0 = time.perf_counter()
         parsed = parse_event_request(req)
         t1 = time.perf_counter()
@@ -150,11 +216,15 @@ def _apply_all(requests: list[dict[str, Any]], chunk_size: int,
         apply_s += time.perf_counter() - t1
         parse_s += t1 - t0
     cpu_s = time.process_time() - cpu0
-    return d, {"total_s": parse_s + apply_s, "parse_s": parse_s, "apply_s": apply_s, "cpu_s": cpu_s, "rss0": rss0}
+    wall_s = time.perf_counter() - start
+    extra = publishing.close() if publishing is not None else {}
+    extra["wall_s"] = wall_s
+    return d, {"total_s": parse_s + apply_s, "parse_s": parse_s, "apply_s": apply_s, "cpu_s": cpu_s, "rss0": rss0,
+               **extra}
 
 
 def _timed_passes(forms: dict[str, list[dict[str, Any]]], chunk_size: int, engine: str,
-                  repeats: int) -> tuple[dict[str, dict[str, float]], float]:
+                  repeats: int, rate: float = 0.0) -> tuple[dict[str, dict[str, float]], float]:
     """Best of ``repeats`` runs per input form, the forms alternating run by run (the
     machine may be shared: alternating exposes both to the same conditions), and the
     resident-set growth per chunk of the very first run: it is the only run that does not
@@ -164,7 +234,8 @@ def _timed_passes(forms: dict[str, list[dict[str, Any]]], chunk_size: int, engin
     for _ in range(repeats):
         for form, requests in forms.items():
             first = not best
-            d, run = _apply_all(requests, chunk_size, engine)
+            d, run = _apply_all(requests, chunk_size, engine, publish=form.endswith("_kv_events"),
+                                rate=rate if "paced" in form else 0.0)
             chunks = d.stats()["blend_index"]["num_chunks"]
             entries = sum(len(b["entries"]) for req in requests for b in req["batches"])
             if chunks != entries:  # a figure only counts if every entry was indexed
@@ -201,18 +272,27 @@ def _memory_pass(requests: list[dict[str, Any]], chunk_size: int, engine: str) -
 
 
 def run(num_entries: int = 100_000, batch_entries: int = 1000, chunk_size: int = 256,
-        engine: str = "cpu", *, repeats: int = 3, memory: bool = True) -> dict[str, Any]:
+        engine: str = "cpu", *, repeats: int = 3, memory: bool = True, kv_events: bool = False,
+        kv_events_rate: float = 100_000.0) -> dict[str, Any]:
     """Measure ingest throughput (both input forms) and memory per chunk; returns a flat
     dict of figures.
 
     ``json_entries_per_s`` / ``packed_entries_per_s`` cover validation + gate + directory +
     index, with tokens as lists of ints (decoded JSON) / as uint32 arrays; each is the best
     of ``repeats`` runs. Defaults finish in about a minute on two cores.
+
+    ``kv_events``: also the packed form with a vLLM KV-events publisher attached
+    (``packed_kv_events_*``; issue 25), alternating with the others in the same run, plus
+    ``kv_events_overhead``: the relative loss of ingest rate.
     """
     if num_entries < 1 or batch_entries < 1 or chunk_size < 1:
         raise ValueError("num_entries, batch_entries and chunk_size must be >= 1")
     forms = {"json": make_requests(num_entries, batch_entries, chunk_size),
              "packed": make_requests(num_entries, batch_entries, chunk_size, packed=True)}
+    if kv_events:
+        forms["packed_kv_events"] = forms["packed"]
+        if kv_events_rate > 0:  # the same at an offered load (entries/s), off and on
+            forms["packed_paced"] = forms["packed_paced_kv_events"] = forms["packed"]
     # A service holds one decoded request at a time; the benchmark holds them all (tens of
     # millions of ints). Freeze them so the cyclic GC does not traverse them on every full
     # collection; the directory's own objects are still collected as in production.
@@ -225,7 +305,7 @@ def run(num_entries: int = 100_000, batch_entries: int = 1000, chunk_size: int =
             wd.apply(req)
     engine_name = wd.blend_index.engine.name  # type: ignore[union-attr]
     del wd
-    timed, resident_per_chunk = _timed_passes(forms, chunk_size, engine, repeats)
+    timed, resident_per_chunk = _timed_passes(forms, chunk_size, engine, repeats, kv_events_rate)
     out: dict[str, Any] = {
         "entries": num_entries,
         "batch_entries": batch_entries,
@@ -238,6 +318,18 @@ def run(num_entries: int = 100_000, batch_entries: int = 1000, chunk_size: int =
         out[f"{form}_us_per_entry"] = 1e6 * t["total_s"] / num_entries
         out[f"{form}_parse_s"] = t["parse_s"]
         out[f"{form}_apply_s"] = t["apply_s"]
+        for k in ("drain_s", "messages", "received", "payload_bytes", "dropped"):
+            if k in t:
+                out[f"{form}_{k}"] = t[k]
+        if "paced" in form:  # achieved rate over the whole run (pauses included), CPU per entry
+            out[f"{form}_achieved_entries_per_s"] = num_entries / t["wall_s"]
+            out[f"{form}_cpu_us_per_entry"] = 1e6 * t["cpu_s"] / num_entries
+    if kv_events:
+        out["kv_events_overhead"] = 1 - out["packed_kv_events_entries_per_s"] / out["packed_entries_per_s"]
+        if kv_events_rate > 0:
+            out["kv_events_offered_entries_per_s"] = kv_events_rate
+            out["kv_events_paced_overhead"] = 1 - (out["packed_paced_kv_events_achieved_entries_per_s"]
+                                                   / out["packed_paced_achieved_entries_per_s"])
     out["resident_bytes_per_chunk"] = resident_per_chunk
     if memory:
         mem_requests = forms["json"][: max(1, MEMORY_PASS_MAX // batch_entries)]
@@ -256,9 +348,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per input form; the best counts")
     parser.add_argument("--no-memory", action="store_true", help="skip the (slower) memory pass")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--kv-events", action="store_true",
+                        help="also the packed form with a vLLM KV-events publisher attached (side by side)")
+    parser.add_argument("--kv-events-rate", type=float, default=100_000.0,
+                        help="with --kv-events: also both at this offered load, entries/s (0: skip)")
     args = parser.parse_args(argv)
     result = run(args.entries, args.batch, args.chunk_size, args.engine, repeats=args.repeats,
-                 memory=not args.no_memory)
+                 memory=not args.no_memory, kv_events=args.kv_events, kv_events_rate=args.kv_events_rate)
     if args.json:
         print(json.dumps(result))
     else:

@@ -269,3 +269,19 @@ def test_the_stream_does_not_depend_on_the_hash_seed():
         assert got.returncode == 0, got.stderr[-2000:]
         outs.add(got.stdout.strip())
     assert len(outs) == 1, outs
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+@pytest.mark.parametrize("int_hashes", [False, True])
+def test_the_block_kernel_writes_what_the_per_event_encoder_writes(encoding, int_hashes):
+    rng = np.random.default_rng(3)
+    enc = EventEncoder(encoding, int_hashes)
+    for n, length in ((1, 1), (3, 15), (5, 16), (40, 256), (2, 70_000)):
+        tokens = rng.integers(0, 1 << 32, (n, length), dtype=np.uint64).astype(np.uint32)
+        tokens[:, ::3] = rng.integers(0, 70_000, (n, len(range(0, length, 3))))
+        tokens[:, ::5] = rng.integers(0, 200, (n, len(range(0, length, 5))))
+        hashes = [rng.bytes(32) for _ in range(n)]
+        if int_hashes:
+            hashes[0] = b"\x00" * 31 + b"\x05"  # small ints take the short forms
+        count, blob = enc.stored_concat(hashes, tokens, "lmcache-l2-redis")
+        assert count == n and blob == b"".join(enc.stored(hashes, tokens, "lmcache-l2-redis"))

@@ -196,6 +196,7 @@ class KVEventsPublisher:
         import zmq
 
         s = self.settings
+        self.encoder.warm_up()
         self._ctx = zmq.Context()
         try:
             curve = self._curve_keys(zmq)
@@ -295,19 +296,23 @@ class KVEventsPublisher:
         pub = self._pub
         for topic, seq, ts, specs in item:
             events: list[bytes] = []
+            count = 0
             for spec in specs:
                 kind = spec[0]
                 if kind == "stored":
-                    got = enc.stored(spec[1], spec[2], spec[3])
-                    self.events["BlockStored"] += len(got)
-                    events.extend(got)
+                    n, blob = enc.stored_concat(spec[1], spec[2], spec[3])
+                    self.events["BlockStored"] += n
+                    count += n
+                    events.append(blob)
                 elif kind == "removed":
                     events.append(enc.removed(spec[1], spec[2]))
                     self.events["BlockRemoved"] += 1
+                    count += 1
                 else:
                     events.append(enc.cleared())
                     self.events["AllBlocksCleared"] += 1
-            payload = enc.batch(ts, events)
+                    count += 1
+            payload = enc.batch(ts, events, count=count)
             sb = seq_bytes(seq)
             self._buffer.append((topic, seq, payload))
             pub.send_multipart((topic, sb, payload), flags=zmq.NOBLOCK, copy=len(payload) < 65536)

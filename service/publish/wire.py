@@ -164,6 +164,8 @@ class EventEncoder:
         self._stored_size_key = k[3]
         self._stored_tail_key = k[4] + NIL + k[5]          # lora_id None, then the medium
         self._stored_end = k[6] + NIL + (b"" if as_map else NIL + NIL)  # lora_name (extra_keys, group_idx) None
+        self._head_arr = np.frombuffer(self._stored_head, dtype=np.uint8)
+        self._mid_arr = np.frombuffer(self._stored_mid, dtype=np.uint8)
         k = fields(("block_hashes", "medium"))
         self._removed_head = (map_header(3) + text("type") if as_map else array_header(4)) + text("BlockRemoved") + k[0]
         self._removed_medium_key = k[1]
@@ -197,6 +199,29 @@ class EventEncoder:
                                  size_key, uint(n), tail)))
         return out
 
+    def stored_concat(self, hashes: Sequence[bytes], tokens: Union[np.ndarray, Sequence[np.ndarray]],
+                      medium: str) -> tuple[int, bytes]:
+        """:meth:`stored`'s events concatenated, with their count: a block of one chunk
+        length (the norm) in one kernel call without the GIL (``_kernels.py``)."""
+        n = len(hashes)
+        if (not isinstance(tokens, np.ndarray) or tokens.ndim != 2 or not n
+                or (not self.int_hashes and (len(set(map(len, hashes))) != 1 or len(hashes[0]) > 255))):
+            return n, b"".join(self.stored(hashes, tokens, medium))
+        from ._kernels import encode_stored_block
+
+        length = tokens.shape[1]
+        tail = np.frombuffer(self._stored_size_key + uint(length) + self._stored_tail_key + text(medium)
+                             + self._stored_end, dtype=np.uint8)
+        if self.int_hashes:
+            ints = np.array([int.from_bytes(h, "big") & 0xFFFFFFFFFFFFFFFF for h in hashes], dtype=np.uint64)
+            rows = np.zeros((n, 0), dtype=np.uint8)
+        else:
+            ints = np.zeros(0, dtype=np.uint64)
+            rows = np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(n, len(hashes[0]))
+        blob = encode_stored_block(np.ascontiguousarray(tokens, dtype=np.uint32), rows, ints, self.int_hashes,
+                                   self._head_arr, self._mid_arr, tail)
+        return n, blob.tobytes()
+
     def removed(self, hashes: Sequence[bytes], medium: str) -> bytes:
         return b"".join((self._removed_head, array_header(len(hashes)), *map(self.block_hash, hashes),
                          self._removed_medium_key, text(medium), self._removed_end))
@@ -205,6 +230,12 @@ class EventEncoder:
         return self._cleared
 
     @staticmethod
-    def batch(ts: float, events: Sequence[bytes], data_parallel_rank: int = 0) -> bytes:
-        """The ``EventBatch`` payload ``[ts, events, data_parallel_rank]``."""
-        return b"".join((array_header(3), float64(ts), array_header(len(events)), *events, uint(data_parallel_rank)))
+    def batch(ts: float, events: Sequence[bytes], data_parallel_rank: int = 0, *, count: int = -1) -> bytes:
+        """The ``EventBatch`` payload ``[ts, events, data_parallel_rank]``; ``count``: how
+        many events ``events`` hold when some are concatenations (:meth:`stored_concat`)."""
+        n = len(events) if count < 0 else count
+        return b"".join((array_header(3), float64(ts), array_header(n), *events, uint(data_parallel_rank)))
+
+    def warm_up(self) -> None:
+        """Compile (or load) the kernel before the first message."""
+        self.stored_concat([b"\x00" * 8], np.zeros((1, 16), dtype=np.uint32), "warm-up")
