@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 _BYTES_ONLY = {bytes}
 _NONE = -1  # end of a linked list
 _FREE = -2  # c_occ of a free content row
+_UNSEEN = -3  # verification cursor: content not met yet in this query
+_UNCLAIMED = -4  # verification cursor: the requester claims no occupant of this content
 
 
 @dataclass
@@ -77,6 +79,7 @@ class MatchStats:
     ns_filtered: int = 0  # survivors skipped: no occupant claimed by the requester
     token_rejections: int = 0  # same fingerprint, different tokens
     matches: int = 0
+    occupant_steps: int = 0  # occupants visited by the per-position rule (linear: see _verify_nb)
     engine_s: float = 0.0
     verify_s: float = 0.0
     engine_name: str = ""
@@ -99,11 +102,32 @@ def _claimed(occ, ns, o_claim, k_ns, k_next):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _first_claimed(occ, ns, o_next, o_claim, k_ns, k_next, key_of, seen, exact):  # pragma: no cover - compiled
+    """From occupant ``occ`` on: the first one ``ns`` claims whose key is not in ``seen``
+    (-1 if none), and how many occupants were visited."""
+    steps = 0
+    while occ >= 0:
+        steps += 1
+        if _claimed(occ, ns, o_claim, k_ns, k_next):
+            key = key_of[occ] if exact else occ
+            if key not in seen:
+                return occ, steps
+        occ = np.int64(o_next[occ])
+    return np.int64(-1), steps
+
+
+@numba.njit(cache=True, nogil=True)
 def _verify_nb(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask,
-               c_occ, o_next, o_claim, k_ns, k_next):  # pragma: no cover - compiled
-    """Emit ``(candidate, occupant)`` pairs that pass the namespace filter and verification:
-    for each verified candidate, every occupant the requester claims, in first-indexed order
-    (the caller applies the per-position rule: the first of them not yet seen)."""
+               c_occ, o_next, o_claim, k_ns, k_next, key_of, exact):  # pragma: no cover - compiled
+    """The per-position rule over the candidates (ascending by query, then position):
+    emits ``(candidate, occupant)`` for each match, at most one per position.
+
+    Linear in candidates plus occupants: per query, each content row keeps a cursor into its
+    occupant list. An occupant passed over is either not claimed by the requester or already
+    taken by this query, and both stay true for the rest of the query, so the cursor never
+    moves back; tokens are compared once per candidate, never per occupant. "Taken" is by
+    occupant id (``exact`` false) or by ``key_of[occupant]`` (equal for occupants with equal
+    chunk hashes; the caller reruns with it when one hash occupied two contents)."""
     n = cq.shape[0]
     cap = 64
     out_c = np.empty(cap, dtype=np.int64)
@@ -112,26 +136,44 @@ def _verify_nb(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask
     misses = 0
     ns_skip = 0
     rejects = 0
+    steps = 0
+    cursor = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
+    seen = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
+    query = -1
     for i in range(n):
         row = rows[i]
         if row < 0:
             misses += 1
             continue
-        ns = q_ns[cq[i]]
-        any_claim = False
-        if ns >= 0:
-            occ = c_occ[row]
-            while occ >= 0:
-                if _claimed(occ, ns, o_claim, k_ns, k_next):
-                    any_claim = True
-                    break
-                occ = o_next[occ]
-        if not any_claim:
+        q = cq[i]
+        if q != query:
+            query = q
+            cursor = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
+            seen = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
+        ns = q_ns[q]
+        if ns < 0:
+            ns_skip += 1
+            continue
+        at = cursor[row] if row in cursor else np.int64(_UNSEEN)
+        if at == _UNSEEN:  # first candidate of this content in the query: any claim at all?
+            first, walked = _first_claimed(np.int64(c_occ[row]), ns, o_next, o_claim, k_ns, k_next, key_of, seen, exact)
+            steps += walked
+            at = first if first >= 0 else _UNCLAIMED
+            if first < 0:  # nothing unseen; tell "none claimed" from "all taken"
+                occ = c_occ[row]
+                while occ >= 0:
+                    steps += 1
+                    if _claimed(occ, ns, o_claim, k_ns, k_next):
+                        at = _NONE
+                        break
+                    occ = o_next[occ]
+            cursor[row] = at
+        if at == _UNCLAIMED:
             ns_skip += 1
             continue
         blk = blocks[row >> shift]
         r = row & bmask
-        base = offsets[cq[i]] + cst[i]
+        base = offsets[q] + cst[i]
         same = True
         for t in range(width):
             if tokens[base + t] != blk[r, t]:
@@ -140,21 +182,26 @@ def _verify_nb(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask
         if not same:
             rejects += 1
             continue
-        occ = c_occ[row]
-        while occ >= 0:
-            if _claimed(occ, ns, o_claim, k_ns, k_next):
-                if k == cap:
-                    cap *= 2
-                    nc = np.empty(cap, dtype=np.int64)
-                    no = np.empty(cap, dtype=np.int64)
-                    nc[:k] = out_c[:k]
-                    no[:k] = out_o[:k]
-                    out_c, out_o = nc, no
-                out_c[k] = i
-                out_o[k] = occ
-                k += 1
-            occ = o_next[occ]
-    return out_c[:k], out_o[:k], misses, ns_skip, rejects
+        if at < 0:  # every claimed occupant is taken already
+            continue
+        occ, walked = _first_claimed(at, ns, o_next, o_claim, k_ns, k_next, key_of, seen, exact)
+        steps += walked
+        if occ < 0:
+            cursor[row] = _NONE
+            continue
+        seen[key_of[occ] if exact else occ] = 1
+        cursor[row] = np.int64(o_next[occ])
+        if k == cap:
+            cap *= 2
+            nc = np.empty(cap, dtype=np.int64)
+            no = np.empty(cap, dtype=np.int64)
+            nc[:k] = out_c[:k]
+            no[:k] = out_o[:k]
+            out_c, out_o = nc, no
+        out_c[k] = i
+        out_o[k] = occ
+        k += 1
+    return out_c[:k], out_o[:k], misses, ns_skip, rejects, steps
 
 
 _EMPTY_LIST_BYTES = sys.getsizeof([])
@@ -716,38 +763,47 @@ class BlendIndex:
 
     def _verify(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
                 results: list[list[BlendMatch]], stats: MatchStats) -> None:
+        """Verification and the per-position rule (``_verify_nb``), under the lock: time and
+        memory linear in candidates plus occupants, output at most one pair per match."""
         with self._lock:
             q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64,
                                count=len(namespaces))
             rows = self._fpmap.lookup(cands.fingerprint)
-            ci, oi, misses, ns_skip, rejects = _verify_nb(
-                cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
-                self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
-                self._o["claim"], self._k["ns"], self._k["next"])
-            stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
-            # What the per-position rule needs, copied out under the lock in bulk (no numpy
-            # scalar per pair); the rule itself then runs without holding the lock.
-            oi_list = oi.tolist()
+            args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
+                    self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
+                    self._o["claim"], self._k["ns"], self._k["next"])
+            ci, oi, misses, ns_skip, rejects, steps = _verify_nb(*args, _NO_KEYS, False)
+            hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
+            qidx = cands.query_index[ci].tolist()
+            if len(set(zip(qidx, hashes))) != len(hashes):
+                # One chunk hash occupies two contents (possible through this class's API, never
+                # through the directory's): "taken" must go by hash, not by occupant.
+                ci, oi, misses, ns_skip, rejects, steps = _verify_nb(*args, self._hash_keys(rows), True)
+                hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
+                qidx = cands.query_index[ci].tolist()
             old_sts = self._o["offset"][oi].tolist()
-            hashes = list(map(self._o_hash.__getitem__, oi_list))
-        qidx = cands.query_index[ci].tolist()
-        cur = cands.cur_st[ci].tolist()
-        # The per-position rule: pairs come grouped by candidate (one candidate per query
-        # position, ascending), occupants in first-indexed order; take the first whose hash
-        # this query has not seen, then skip the candidate's other occupants.
-        seen: set[tuple[int, bytes]] = set()
-        taken = -1
+        stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
+        stats.occupant_steps = int(steps)
         make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
-        for c, q, st, h, old in zip(ci.tolist(), qidx, cur, hashes, old_sts):
-            if c == taken:
-                continue
-            key = (q, h)
-            if key in seen:
-                continue
-            seen.add(key)
-            taken = c
+        for q, st, h, old in zip(qidx, cands.cur_st[ci].tolist(), hashes, old_sts):
             results[q].append(make(BlendMatch, (h, old, st)))
-        stats.matches = len(seen)
+        stats.matches = len(hashes)
+
+    def _hash_keys(self, rows: np.ndarray) -> np.ndarray:
+        """Per occupant id: the first occupant id (among the contents ``rows``) with the same
+        chunk hash. Linear in the occupants of those contents."""
+        key_of = np.arange(len(self._o_hash), dtype=np.int64)
+        first: dict[bytes, int] = {}
+        nxt = self._o["next"]
+        for row in np.unique(rows[rows >= 0]).tolist():
+            occ = int(self._c["occ"][row])
+            while occ >= 0:
+                key_of[occ] = first.setdefault(self._o_hash[occ], occ)  # type: ignore[arg-type]
+                occ = int(nxt[occ])
+        return key_of
+
+
+_NO_KEYS = np.zeros(0, dtype=np.int64)
 
 
 class _Repeat(Sequence):
