@@ -101,7 +101,7 @@ def directory_sections(directory: KeyDirectory, extra: Optional[Mapping[str, Any
                        ) -> tuple[dict[str, Section], dict[str, Any]]:
     """The sections of ``directory`` (call with ingest paused, or in a forked child) and the
     summary shown by ``inspect``. ``extra``: name -> JSON document, one section each."""
-    snap = directory.snapshot()
+    snap = directory.export_state()
     hashes: list[bytes] = snap["hashes"]
     n = len(hashes)
     # member tables: interned tuples, deduplicated by identity, then scopes/placements by value
@@ -205,7 +205,7 @@ def capture(directory: KeyDirectory, path: str | os.PathLike, *,
     path = os.fspath(path)
     use_fork = hasattr(os, "fork") if fork is None else fork
     t0 = time.perf_counter()
-    with directory.pause_ingest():
+    with directory.ingest_lock:
         docs = dict(extra()) if extra is not None else {}
         if use_fork:
             rfd, wfd = os.pipe()
@@ -327,7 +327,7 @@ def _restore(directory: KeyDirectory, ckpt: CheckpointFile, t0: float) -> Restor
                  "counters": doc["counters"], "gate": gate}
         if not (len(members) == len(state["offsets"]) == len(state["indexed"]) == n):
             raise CheckpointError("directory columns disagree in length")
-        directory.restore(state)
+        directory.restore_state(state)
         extra = {name: ckpt.section(name).doc for name in ckpt if name not in CORE_SECTIONS}
     except CheckpointError:
         raise
