@@ -405,11 +405,27 @@ class BlendIndex:
             arrays.append(as_tokens(tokens, name=f"query {i} tokens"))
             _check_ns(ns)
             namespaces.append(ns)
-        stats = MatchStats(queries=len(arrays), tokens=sum(a.size for a in arrays))
-        results: list[list[BlendMatch]] = [[] for _ in arrays]
         if not arrays:
-            return results, stats
-        batch = QueryBatch.from_queries(arrays, self.chunk_size, self.probe_stride)
+            return [], MatchStats()
+        return self._match(QueryBatch.from_queries(arrays, self.chunk_size, self.probe_stride), namespaces)
+
+    def match_flat(self, tokens: np.ndarray, offsets: np.ndarray, namespaces: Sequence[BlendNamespace]
+                   ) -> tuple[list[list[BlendMatch]], MatchStats]:
+        """:meth:`match_batch_detailed` of queries already back to back in one uint32 buffer:
+        query ``q`` is ``tokens[offsets[q]:offsets[q+1]]`` (``tokens.decode_query_tokens``
+        builds them). The engine probes the buffer as it is: no copy."""
+        for i, ns in enumerate(namespaces):
+            _check_ns(ns)
+        if len(namespaces) != offsets.shape[0] - 1:
+            raise ValueError(f"{len(namespaces)} namespaces for {offsets.shape[0] - 1} queries")
+        if not namespaces:
+            return [], MatchStats()
+        return self._match(QueryBatch(tokens, offsets, self.chunk_size, self.probe_stride), list(namespaces))
+
+    def _match(self, batch: QueryBatch, namespaces: list[BlendNamespace]
+               ) -> tuple[list[list[BlendMatch]], MatchStats]:
+        stats = MatchStats(queries=batch.num_queries, tokens=batch.num_tokens)
+        results: list[list[BlendMatch]] = [[] for _ in namespaces]
         t0 = time.perf_counter()
         cands = self._probe(batch)
         t1 = time.perf_counter()
