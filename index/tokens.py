@@ -340,8 +340,7 @@ def decode_token_ids(value: Any, field: str = "token_ids") -> np.ndarray:
         if not kinds <= {int}:
             bad = next(v for v in value if type(v) is not int)
             pos = next(i for i, v in enumerate(value) if v is bad)
-            raise TokenDecodeError(
-                "token_ids", f"item {pos} must be an integer token id, got {type(bad).__name__} {bad!r}")
+            raise TokenDecodeError(field, f"item {pos}: token ids must be integers, got {bad!r} ({type(bad).__name__})")
         try:
             arr = np.array(value, dtype=np.int64)
         except OverflowError:
