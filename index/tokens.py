@@ -251,8 +251,9 @@ def _decode_flat(values: Sequence[Any], field: str, ascii_bytes: bool
     sizes: list[int] = []  # decoded bytes
     for k, value in enumerate(values):
         if isinstance(value, np.ndarray):
-            items.append(value)
-            sizes.append(4 * value.shape[0])
+            arr = value if value.dtype == np.uint32 and value.ndim == 1 else as_tokens(value)
+            items.append(arr)
+            sizes.append(4 * arr.shape[0])
             continue
         if ascii_bytes and (isinstance(value, memoryview) or (isinstance(value, bytes) and value.isascii())):
             text: Any = value
