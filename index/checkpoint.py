@@ -46,6 +46,7 @@ import numpy as np
 from .ckpt_file import CheckpointError, CheckpointFile, Section, WriteStats, read_checkpoint, write_checkpoint
 from .key_directory import KeyDirectory
 from .placements import Placement
+from .storage import split_hashes
 from .types import BlendNamespace
 from .wire import KeyScope
 
@@ -248,16 +249,6 @@ def capture(directory: KeyDirectory, path: str | os.PathLike, *,
 
 
 # ---------------------------------------------------------------------- restore
-def _split(blob: bytes, lengths: np.ndarray) -> list[bytes]:
-    n = int(lengths.shape[0])
-    if n and int(lengths.min()) == int(lengths.max()):
-        w = int(lengths[0])
-        return [blob[i:i + w] for i in range(0, n * w, w)]
-    ends = np.cumsum(lengths).tolist()
-    starts = [0] + ends[:-1]
-    return [blob[a:b] for a, b in zip(starts, ends)]
-
-
 def _members(doc: dict[str, Any]) -> list[Any]:
     scopes = [KeyScope(model, int(rank), int(group), salt, BlendNamespace(model, salt, int(ws)))
               for model, rank, group, salt, ws in doc["scopes"]]
@@ -293,7 +284,7 @@ def _restore(directory: KeyDirectory, ckpt: CheckpointFile, t0: float) -> Restor
         # read (and so verify) every buffer before anything changes
         arr = {name: sec.array(name) for name in ("hash_blob", "hash_len", "member_id", "token_ref", "offset",
                                                    "indexed", "private_tokens", "private_len", "l1_pos")}
-        hashes = _split(arr["hash_blob"].tobytes(), arr["hash_len"])
+        hashes = split_hashes(arr["hash_blob"].tobytes(), arr["hash_len"])
         n = len(hashes)
         member_table = _members(doc)
         members = list(map(member_table.__getitem__, arr["member_id"].tolist()))

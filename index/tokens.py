@@ -481,9 +481,6 @@ class TokenArrays:
     def row(self, k: int) -> np.ndarray:
         return self.flat[int(self.starts[k]):int(self.starts[k + 1])]
 
-    def lengths(self) -> list[int]:
-        return np.diff(self.starts).tolist()
-
 
 #: Smallest body worth splitting: below this the ordinary parser is as fast.
 SPLIT_MIN_BYTES = 2048

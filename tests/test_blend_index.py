@@ -1,4 +1,4 @@
-"""BlendIndex semantics (DESIGN.md section 5), edge cases on purpose."""
+"""BlendIndex semantics (index/blend_index.py, index/verify.py), edge cases on purpose."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KeyDirectory: every row of the lifecycle (DESIGN.md section 6), the gate, placements,
+"""KeyDirectory: every row of the lifecycle (index/ingest.py, index/bindings.py), the gate, placements,
 fencing, namespaces, reads, memory sharing with the index, and all-or-nothing requests."""
 
 from __future__ import annotations
