@@ -33,7 +33,7 @@ GC note: every binding is a GC-tracked object, so a full collection walks them a
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -51,6 +51,10 @@ Member = tuple[KeyScope, tuple[Placement, ...]]
 #: Interned values kept at most (placements, members tuples); past it the table starts
 #: over. Interning only saves memory; nothing relies on identity.
 _INTERN_MAX = 1 << 14
+
+
+def _nothing() -> None:
+    pass
 
 
 class FenceResult(NamedTuple):
@@ -99,6 +103,7 @@ class BindingStore:
         self.num_keys = 0
         self.num_placements = 0
         self.num_with_tokens = 0
+        self.before_index_write: Callable[[], None] = _nothing  # the ingest path's hold (ingest.py)
         self._interned: dict[Any, Any] = {}
         self._singles: dict[tuple[int, int], tuple[Member, ...]] = {}
 
@@ -245,6 +250,7 @@ class BindingStore:
         self.num_keys -= 1
         ns = scope.namespace
         if b.indexed and self.content_in_index(b) and all(sc.namespace != ns for sc, _ in rest):
+            self.before_index_write()
             self.index.remove_claim(b.tokens, h, ns)  # type: ignore[union-attr]
         if not rest:
             del self.bindings[h]

@@ -96,6 +96,13 @@ class BlendIndex:
         self._ns_claims: list[int] = []
         self._collisions = 0
         self._rebuilds = 0
+        self._slot_writes = 0  # odd while a slot-table write runs (see _match)
+
+    @property
+    def write_lock(self) -> threading.RLock:
+        """The lock every write takes. A writer that holds it across several writes (the key
+        directory, for each run of requests) has them seen by lookups all at once."""
+        return self._lock
 
     @property
     def engine(self) -> Engine:
@@ -224,7 +231,7 @@ class BlendIndex:
             self._slots.floor_size = size
             if size > self._slots.size:
                 live = self._c["occ"][: self._c.size] != _FREE
-                self._slots.rebuild(self._c["fp"][: self._c.size][live], size=size)
+                self._slots_write(self._slots.rebuild, self._c["fp"][: self._c.size][live], size=size)
                 self._rebuilds += 1
 
     def remove_claim(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace) -> bool:
@@ -281,20 +288,57 @@ class BlendIndex:
 
     def _match(self, batch: QueryBatch, namespaces: list[BlendNamespace]
                ) -> tuple[list[list[BlendMatch]], MatchStats]:
+        """Probe (outside the lock), then verify under it. The answer is one state of the
+        index: a writer that holds the lock across a whole request (the key directory
+        does, for each run it applies) is seen all or nothing. Verification sees whole
+        requests by holding the lock; the probe, which runs concurrently with writers, may
+        have missed slots a request inserted while it ran, so when slot writes happened
+        since the probe began (``_slot_writes`` changed, or was odd: one in progress), the
+        probe runs again (``reprobes``), the last time with the lock held."""
         stats = MatchStats(queries=batch.num_queries, tokens=batch.num_tokens)
         results: list[list[BlendMatch]] = [[] for _ in namespaces]
         t0 = time.perf_counter()
-        cands = self._probe(batch)
-        t1 = time.perf_counter()
+        found = None
+        for attempt in range(self.PROBE_TRIES + 1):
+            last = attempt == self.PROBE_TRIES
+            if last:
+                self._lock.acquire()  # writers held off: the probe and verification see one state
+            try:
+                seen = self._slot_writes
+                cands = self._probe(batch)
+                t1 = time.perf_counter()
+                with self._lock:
+                    if last or (seen == self._slot_writes and not seen & 1):
+                        if len(cands):
+                            found = self._verify_locked(batch, cands, namespaces, stats)
+                        break
+            finally:
+                if last:
+                    self._lock.release()
+            stats.reprobes += 1
         stats.engine_s = t1 - t0
         stats.engine_name = self.engine.name
         stats.engine_timings = dict(cands.timings)
         stats.windows = cands.windows
         stats.survivors = len(cands)
-        if len(cands):
-            self._verify(batch, cands, namespaces, results, stats)
+        if found is not None:
+            make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
+            for q, st, h, old in zip(*found):
+                results[q].append(make(BlendMatch, (h, old, st)))
         stats.verify_s = time.perf_counter() - t1
         return results, stats
+
+    #: Probes of one ``match`` outside the lock before one under it (see ``_match``).
+    PROBE_TRIES = 2
+
+    def _slots_write(self, fn: Any, *args: Any, **kw: Any) -> None:
+        """Run a slot-table write (insert or rebuild; lock held) between two increments of
+        ``_slot_writes``, so a concurrent probe can tell it may have missed slots."""
+        self._slot_writes += 1
+        try:
+            fn(*args, **kw)
+        finally:
+            self._slot_writes += 1
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes (cheap; safe to call from a metrics scrape)."""
@@ -405,7 +449,7 @@ class BlendIndex:
             self._rebuilds = int(doc["rebuilds"])
             self._slots.floor_size = int(doc["slots"]["floor_size"])
             live = self._c["occ"][:c_size] != _FREE
-            self._slots.rebuild(self._c["fp"][:c_size][live], size=int(doc["slots"]["size"]))
+            self._slots_write(self._slots.rebuild, self._c["fp"][:c_size][live], size=int(doc["slots"]["size"]))
 
     def token_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         """Read-only views of content rows ``rows`` (what ``add`` returned for them); used
@@ -490,7 +534,7 @@ class BlendIndex:
             for occ, h in zip(occs.tolist(), hashes):
                 self._set_hash(occ, h)
         self._fpmap.insert(fps, rows)
-        self._slots.insert(fps)
+        self._slots_write(self._slots.insert, fps)
         views = self._tokens.rows(rows)
         if n == len(results):  # every row of the call is new content: positions are 0..n-1
             results[:] = views
@@ -619,7 +663,7 @@ class BlendIndex:
     def _maybe_rebuild(self) -> None:
         if self._slots.needs_rebuild():
             live = self._c["occ"][: self._c.size] != _FREE
-            self._slots.rebuild(self._c["fp"][: self._c.size][live])
+            self._slots_write(self._slots.rebuild, self._c["fp"][: self._c.size][live])
             self._rebuilds += 1
 
     def _memory_bytes_locked(self) -> int:
@@ -634,34 +678,30 @@ class BlendIndex:
     def _probe(self, batch: QueryBatch) -> Candidates:
         return self._failover.probe(batch, self._slots)
 
-    def _verify(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
-                results: list[list[BlendMatch]], stats: MatchStats) -> None:
-        """Verification and the per-position rule (``verify.per_position_rule``), under the
-        lock: time and memory linear in candidates plus occupants, one pair per match."""
-        with self._lock:
-            q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64,
-                               count=len(namespaces))
-            rows = self._fpmap.lookup(cands.fingerprint)
-            args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
-                    self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
-                    self._o["claim"], self._k["ns"], self._k["next"])
-            ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, NO_KEYS, False)
+    def _verify_locked(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
+                       stats: MatchStats) -> tuple[list[int], list[int], list[bytes], list[int]]:
+        """Verification and the per-position rule (``verify.per_position_rule``), lock held:
+        time and memory linear in candidates plus occupants. Per match: its query, position,
+        chunk hash and stored offset, as columns."""
+        q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64, count=len(namespaces))
+        rows = self._fpmap.lookup(cands.fingerprint)
+        args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
+                self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
+                self._o["claim"], self._k["ns"], self._k["next"])
+        ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, NO_KEYS, False)
+        hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
+        qidx = cands.query_index[ci].tolist()
+        if len(set(zip(qidx, hashes))) != len(hashes):
+            # One chunk hash occupies two contents (possible through this class's API, never
+            # through the directory's): "taken" must go by hash, not by occupant.
+            keys = hash_keys(rows, self._c["occ"], self._o["next"], self._o_hash)
+            ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, keys, True)
             hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
             qidx = cands.query_index[ci].tolist()
-            if len(set(zip(qidx, hashes))) != len(hashes):
-                # One chunk hash occupies two contents (possible through this class's API, never
-                # through the directory's): "taken" must go by hash, not by occupant.
-                keys = hash_keys(rows, self._c["occ"], self._o["next"], self._o_hash)
-                ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, keys, True)
-                hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
-                qidx = cands.query_index[ci].tolist()
-            old_sts = self._o["offset"][oi].tolist()
         stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
         stats.occupant_steps = int(steps)
-        make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
-        for q, st, h, old in zip(qidx, cands.cur_st[ci].tolist(), hashes, old_sts):
-            results[q].append(make(BlendMatch, (h, old, st)))
         stats.matches = len(hashes)
+        return qidx, cands.cur_st[ci].tolist(), hashes, self._o["offset"][oi].tolist()
 
 
 class _Repeat(Sequence):

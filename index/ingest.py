@@ -182,6 +182,8 @@ class IngestPath:
         self.usage = usage
         self.index = index
         self._adds = _IndexAdds()
+        self._holding = False  # the index's write lock is held until the run ends
+        store.before_index_write = self._hold_index
         self.entries_stored = 0
         self.entries_deleted = 0
         self.entries_unfilled = 0
@@ -204,16 +206,39 @@ class IngestPath:
                     self._flush()
                     out.append(exc)
         finally:
-            self._flush()
+            try:
+                self._flush()
+            finally:
+                self._release_index()
         return out
 
     def fence(self, instance_id: str) -> FenceResult:
-        """Fence ``instance_id``'s private L1 placements (``BindingStore.fence``)."""
-        self._flush()
-        return self.store.fence(instance_id)
+        """Fence ``instance_id``'s private L1 placements (``BindingStore.fence``), seen by
+        lookups all at once."""
+        try:
+            self._flush()
+            return self.store.fence(instance_id)
+        finally:
+            self._release_index()
 
     def _flush(self) -> None:
+        if self._adds.blocks:
+            self._hold_index()
         self._adds.flush(self.index)
+
+    def _hold_index(self) -> None:
+        """Before the first index write of a run: take the index's write lock and keep it
+        to the end of the run, so that a lookup sees all of the run's effect or none of it
+        (``BlendIndex.write_lock``; lock order directory -> index). Taken at the first
+        write, not at the start, so lookups wait only for the run's index writes."""
+        if not self._holding and self.index is not None:
+            self.index.write_lock.acquire()
+            self._holding = True
+
+    def _release_index(self) -> None:
+        if self._holding:
+            self._holding = False
+            self.index.write_lock.release()  # type: ignore[union-attr]
 
     def _apply_request(self, parsed: EventRequest) -> ApplyReport:
         applied = duplicates = stale = entries = 0
@@ -501,6 +526,7 @@ class IngestPath:
         if b.indexed and self.store.content_in_index(b):
             pending.seal(self._adds, column)
             self._flush()
+            self._hold_index()
             self.index.remove_chunk(old, h)  # type: ignore[union-attr]
         self._set_content(b, view, offset, enabled)
         if enabled:
