@@ -48,8 +48,8 @@ from blendmatch.gpu import Candidates, Engine, FailoverEngine, QueryBatch, chunk
 
 from .slots import FilterMode, SlotArray
 from .tokens import as_token_rows, as_tokens
-from .storage import Columns, FingerprintMap, TokenStore, split_hashes
-from .types import UNKNOWN_TOKEN_OFFSET, BlendMatch, BlendNamespace
+from .storage import Columns, FingerprintMap, Repeat, TokenStore, split_hashes
+from .types import UNKNOWN_TOKEN_OFFSET, BlendMatch, BlendNamespace, check_chunk_hash, check_namespace, check_token_offset
 from .verify import NO_KEYS, MatchStats, hash_keys, per_position_rule
 
 __all__ = ["BlendIndex", "MatchStats"]
@@ -59,8 +59,6 @@ log = logging.getLogger(__name__)
 _BYTES_ONLY = {bytes}
 _NONE = -1  # end of a linked list
 _FREE = -2  # c_occ of a free content row
-
-
 _EMPTY_LIST_BYTES = sys.getsizeof([])
 
 
@@ -100,8 +98,7 @@ class BlendIndex:
 
     @property
     def write_lock(self) -> threading.RLock:
-        """The lock every write takes. A writer that holds it across several writes (the key
-        directory, for each run of requests) has them seen by lookups all at once."""
+        """The lock every write takes; writes under one hold are seen by lookups at once."""
         return self._lock
 
     @property
@@ -121,9 +118,9 @@ class BlendIndex:
         ``ValueError`` for tokens that are not uint32 ids (nothing applied).
         """
         arr = as_tokens(tokens)
-        _check_hash(chunk_hash)
-        offset = _check_offset(token_offset)
-        _check_ns(ns)
+        check_chunk_hash(chunk_hash)
+        offset = check_token_offset(token_offset)
+        check_namespace(ns)
         if arr.size != self.chunk_size:
             log.debug("not indexed: content of %d tokens, chunk size %d", arr.size, self.chunk_size)
             return None
@@ -145,7 +142,7 @@ class BlendIndex:
             raise ValueError(f"chunk_hashes has {len(chunk_hashes)} entries for {n} token rows")
         if not set(map(type, chunk_hashes)) <= _BYTES_ONLY:
             for h in chunk_hashes:
-                _check_hash(h)
+                check_chunk_hash(h)
         offsets = np.asarray(token_offsets, dtype=np.int64).reshape(-1)
         if offsets.size == 1 and n != 1:
             offsets = np.full(n, offsets[0], dtype=np.int64)
@@ -154,13 +151,13 @@ class BlendIndex:
         if n and offsets.min() < UNKNOWN_TOKEN_OFFSET:
             raise ValueError(f"token_offset must be >= -1, got {int(offsets.min())}")
         if isinstance(namespaces, BlendNamespace):
-            ns_list: Sequence[BlendNamespace] = _Repeat(namespaces, n)
+            ns_list: Sequence[BlendNamespace] = Repeat(namespaces, n)
         else:
             ns_list = namespaces
             if len(ns_list) != n:
                 raise ValueError(f"namespaces has {len(ns_list)} entries for {n} token rows")
             for ns in ns_list:
-                _check_ns(ns)
+                check_namespace(ns)
         results: list[np.ndarray | None] = [None] * n
         if n == 0 or arr.shape[1] != self.chunk_size:
             return results
@@ -173,7 +170,7 @@ class BlendIndex:
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             part: list[np.ndarray | None] = [None] * (hi - lo)
-            nss = _Repeat(ns_list.value, hi - lo) if isinstance(ns_list, _Repeat) else ns_list[lo:hi]
+            nss = Repeat(ns_list.value, hi - lo) if isinstance(ns_list, Repeat) else ns_list[lo:hi]
             hashes = chunk_hashes[lo:hi] if (lo, hi) != (0, n) else chunk_hashes
             with self._lock:
                 self._add_part_locked(arr[lo:hi], fps[lo:hi], hashes, offsets[lo:hi], nss, part)
@@ -267,7 +264,7 @@ class BlendIndex:
             except (TypeError, ValueError):
                 raise ValueError(f"query {i}: expected a (tokens, BlendNamespace) pair") from None
             arrays.append(as_tokens(tokens, name=f"query {i} tokens"))
-            _check_ns(ns)
+            check_namespace(ns)
             namespaces.append(ns)
         if not arrays:
             return [], MatchStats()
@@ -279,7 +276,7 @@ class BlendIndex:
         query ``q`` is ``tokens[offsets[q]:offsets[q+1]]`` (``tokens.decode_query_tokens``
         builds them). The engine probes the buffer as it is: no copy."""
         for i, ns in enumerate(namespaces):
-            _check_ns(ns)
+            check_namespace(ns)
         if len(namespaces) != offsets.shape[0] - 1:
             raise ValueError(f"{len(namespaces)} namespaces for {offsets.shape[0] - 1} queries")
         if not namespaces:
@@ -288,13 +285,10 @@ class BlendIndex:
 
     def _match(self, batch: QueryBatch, namespaces: list[BlendNamespace]
                ) -> tuple[list[list[BlendMatch]], MatchStats]:
-        """Probe (outside the lock), then verify under it. The answer is one state of the
-        index: a writer that holds the lock across a whole request (the key directory
-        does, for each run it applies) is seen all or nothing. Verification sees whole
-        requests by holding the lock; the probe, which runs concurrently with writers, may
-        have missed slots a request inserted while it ran, so when slot writes happened
-        since the probe began (``_slot_writes`` changed, or was odd: one in progress), the
-        probe runs again (``reprobes``), the last time with the lock held."""
+        """Probe outside the lock, verify under it: one state of the index, so writes held
+        under :attr:`write_lock` together are seen all or none. A probe that raced slot
+        writes (``_slot_writes`` changed, or odd: one in progress) may have missed new
+        slots: it runs again (``reprobes``), the last time with the lock held."""
         stats = MatchStats(queries=batch.num_queries, tokens=batch.num_tokens)
         results: list[list[BlendMatch]] = [[] for _ in namespaces]
         t0 = time.perf_counter()
@@ -517,7 +511,7 @@ class BlendIndex:
         o["next"][occs] = _NONE
         o["offset"][occs] = offsets
         o["claim"][occs] = claims
-        if isinstance(nss, _Repeat):  # one namespace for all rows
+        if isinstance(nss, Repeat):  # one namespace for all rows
             nid = self._ns_id(nss.value)
             k["ns"][claims] = nid
             self._ns_claims[nid] += n
@@ -592,9 +586,9 @@ class BlendIndex:
 
     def _remove(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace | None) -> bool:
         arr = as_tokens(tokens)
-        _check_hash(chunk_hash)
+        check_chunk_hash(chunk_hash)
         if ns is not None:
-            _check_ns(ns)
+            check_namespace(ns)
         if arr.size != self.chunk_size:
             return False
         fp = chunk_fingerprint(arr)
@@ -702,38 +696,3 @@ class BlendIndex:
         stats.occupant_steps = int(steps)
         stats.matches = len(hashes)
         return qidx, cands.cur_st[ci].tolist(), hashes, self._o["offset"][oi].tolist()
-
-
-class _Repeat(Sequence):
-    """``[value] * n`` without building the list (one namespace for a whole bulk add)."""
-
-    def __init__(self, value: Any, n: int) -> None:
-        self.value, self.n = value, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self.value] * len(range(*i.indices(self.n)))
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        return self.value
-
-
-def _check_hash(chunk_hash: Any) -> None:
-    if not isinstance(chunk_hash, bytes):
-        raise ValueError(f"chunk_hash must be bytes, got {type(chunk_hash).__name__}")
-
-
-def _check_offset(token_offset: Any) -> int:
-    if isinstance(token_offset, bool) or not isinstance(token_offset, (int, np.integer)):
-        raise ValueError(f"token_offset must be an integer, got {token_offset!r}")
-    if token_offset < UNKNOWN_TOKEN_OFFSET:
-        raise ValueError(f"token_offset must be >= -1, got {token_offset}")
-    return int(token_offset)
-
-
-def _check_ns(ns: Any) -> None:
-    if not isinstance(ns, BlendNamespace):
-        raise ValueError(f"namespace must be a BlendNamespace, got {type(ns).__name__}")
