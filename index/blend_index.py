@@ -164,7 +164,8 @@ class BlendIndex:
         fps = chunk_fingerprints(arr)
         # The lock is taken per part of ADD_MANY_ROWS_PER_LOCK rows, not for the whole call:
         # a lookup's verification waits for it, and a 5,000-row batch held it 3-8 ms (one
-        # 256-row part: ~0.2 ms). Parts apply in order, so the results are the same as one
+        # 256-row part: ~0.2 ms); a caller holding ``write_lock`` (the key directory, so that
+        # lookups see its run whole) keeps it. Parts apply in order: the same results as one
         # pass (a row's duplicates in later parts find it in the fingerprint map).
         step = self.ADD_MANY_ROWS_PER_LOCK
         for lo in range(0, n, step):
