@@ -39,6 +39,7 @@ import numpy as np
 
 from .blend_index import BlendIndex
 from .capacity import UsageLedger
+from .indexable import content_indexable
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
 from .wire import TIERS, EventBatch, KeyScope
 from .types import BlendNamespace, ObjectKey
@@ -144,9 +145,10 @@ class BindingStore:
         return tuple(dict.fromkeys(sc.namespace for sc, _ in members))
 
     def content_in_index(self, b: Binding) -> bool:
-        """Could ``b``'s content be in the index (right length, known offset)?"""
+        """Could ``b``'s content be in the index (``indexable.content_indexable``)?"""
         index = self.index
-        return index is not None and b.offset >= 0 and b.tokens is not None and b.tokens.shape[0] == index.chunk_size
+        return index is not None and b.tokens is not None and content_indexable(
+            b.tokens.shape[0], index.chunk_size, b.offset)
 
     # ------------------------------------------------------------------ writes
     def upsert(self, b: Binding, scope: KeyScope, p: Placement) -> tuple[bool, bool, bool]:

@@ -594,9 +594,9 @@ def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[Ble
 
 
 def _whole_block_indexable(entries: EntryColumns, chunk_size: int) -> bool:
-    """Every entry carries one chunk of content (``chunk_size`` usable ids) at a known
-    offset, for a namespace that may be claimed: the batch's token block goes to the buffer
-    as it is."""
+    """``indexable_reason`` is None for every entry, column-wise: each carries one chunk of
+    content (``chunk_size`` usable ids) at a known offset, for a namespace that may be
+    claimed. The batch's token block then goes to the buffer as it is."""
     return (min(entries.offsets) >= 0 and entries.tokens.rows_of_length(chunk_size)
             and _scopes_indexable(entries.scopes))
 
