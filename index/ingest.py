@@ -230,7 +230,8 @@ class IngestPath:
         """Before the first index write of a run: take the index's write lock and keep it
         to the end of the run, so that a lookup sees all of the run's effect or none of it
         (``BlendIndex.write_lock``; lock order directory -> index). Taken at the first
-        write, not at the start, so lookups wait only for the run's index writes."""
+        write, not at the start: verification waits from there to the end of the run (for
+        the steady state, a run of new content, that is its one ``add_many``)."""
         if not self._holding and self.index is not None:
             self.index.write_lock.acquire()
             self._holding = True
