@@ -149,8 +149,12 @@ class HolderWatch:
         _, before = token
         self._diff(bindings, before, before.keys(), self._fence_removed, None)
 
-    def after_batch(self, bindings: dict, batch: Any, before: Optional[dict[bytes, _View]]) -> None:
-        """Compare the touched chunk hashes with ``before``; remember the batch's ``ts``."""
+    def after_batch(self, bindings: dict, batch: Any, before: Optional[dict[bytes, _View]],
+                    settle: Optional[Callable[[], None]] = None) -> None:
+        """Compare the touched chunk hashes with ``before``; remember the batch's ``ts``.
+        ``settle``: makes every binding's tokens final (the ingest path's deferred index
+        writes give new bindings their rows at a flush); called only when the comparison
+        reads tokens, not for the steady state (new chunks, content from the batch)."""
         if batch.ts > 0:
             self.last_ts = float(batch.ts)
         if before is None:
@@ -160,6 +164,8 @@ class HolderWatch:
             return
         if batch.event_type == "store" and not before and self._store_fast(batch):
             return
+        if settle is not None:
+            settle()
         self._diff(bindings, before, dict.fromkeys(entries.chunk_hashes), self._removed, self._stored)
 
     def _store_fast(self, batch: Any) -> bool:
@@ -207,10 +213,8 @@ class HolderWatch:
                     self._tokenless += len(self.spots_of(b.members) - all_old)
             else:
                 new_spots, new_tokens = self.spots_of(b.members), b.tokens
-            if old_tokens is not None and new_tokens is not None and new_tokens is not old_tokens:
-                changed = old_bytes is not None and old_bytes != new_tokens.tobytes()
-            else:
-                changed = False
+            # by value, even for the same array object: the index may rewrite a freed row in place
+            changed = old_bytes is not None and new_tokens is not None and old_bytes != new_tokens.tobytes()
             gone = old_spots if changed else old_spots - new_spots
             for s in gone:
                 removed.setdefault(s, []).append(h)
