@@ -285,3 +285,64 @@ def test_the_block_kernel_writes_what_the_per_event_encoder_writes(encoding, int
             hashes[0] = b"\x00" * 31 + b"\x05"  # small ints take the short forms
         count, blob = enc.stored_concat(hashes, tokens, "lmcache-l2-redis")
         assert count == n and blob == b"".join(enc.stored(hashes, tokens, "lmcache-l2-redis"))
+
+
+def test_serve_refuses_an_endpoint_beyond_loopback_without_the_grant(tmp_path):
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-m", "blendmatch", "serve", "--kv-events-endpoint", "tcp://*:5557"],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 2 and "expose = true" in got.stderr, got.stderr[-1500:]
+    access = tmp_path / "access.toml"
+    access.write_text('[kv_events]\nexpose = "yes"\n')
+    got = subprocess.run([sys.executable, "-m", "blendmatch", "serve", "--access-file", str(access),
+                          "--kv-events-endpoint", "tcp://*:5557"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 2 and "expose must be true or false" in got.stderr, got.stderr[-1500:]
+
+
+def test_access_file_kv_events_table():
+    from blendmatch.service.access import AccessFileError, AccessPolicy
+
+    p = AccessPolicy.from_mapping({"kv_events": {"expose": True, "curve_secret_key_file": "k"}}, source="t")
+    assert p.kv_events == {"expose": True, "curve_secret_key_file": "k"}
+    assert AccessPolicy.protected_mode().kv_events == {}
+    with pytest.raises(AccessFileError, match="kv_events"):
+        AccessPolicy.from_mapping({"kv_events": {"expose": True, "bind": "*"}}, source="t")
+
+
+def test_curve_encrypted_stream_with_a_client_allowlist(tmp_path):
+    """With CurveZMQ keys from the access file's table, a listed client with the server's
+    public key follows the stream exactly as a plain one does."""
+    import zmq.auth
+
+    server_pub, server_secret = zmq.auth.create_certificates(str(tmp_path), "server")
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    client_pub_file, client_secret_file = zmq.auth.create_certificates(str(clients), "router")
+    (clients / "router.key_secret").rename(tmp_path / "router.key_secret")  # the directory holds public keys only
+    pub = _publisher(curve_secret_key_file=server_secret, curve_clients_dir=str(clients))
+    ctx = zmq.Context()
+    try:
+        d = _directory(pub)
+        server_key, _ = zmq.auth.load_certificate(server_pub)
+        client_key, client_secret = zmq.auth.load_certificate(str(tmp_path / "router.key_secret"))
+        sub = Subscriber.__new__(Subscriber)
+        for name, kind, ep in (("sub", zmq.SUB, pub.bound_endpoint), ("req", zmq.DEALER, pub.bound_replay_endpoint)):
+            s = ctx.socket(kind)
+            s.setsockopt(zmq.LINGER, 0)
+            s.curve_secretkey, s.curve_publickey, s.curve_serverkey = client_secret, client_key, server_key
+            if kind == zmq.SUB:
+                s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(ep)
+            setattr(sub, name, s)
+        sub.encoding, sub.legacy, sub.last, sub.holders, sub.stream, sub.live, sub.replayed = \
+            "map", False, -1, {}, [], 0, 0
+        Workload(seed=8, chunk_size=CHUNK).run(d, 150)
+        assert pub.wait_idle(WAIT_MS / 1000)
+        sub.catch_up(pub.next_seq - 1)
+        assert sub.holders == expected_holders(d)
+        sub.close()
+    finally:
+        pub.stop()
+        ctx.destroy(linger=0)
