@@ -150,7 +150,8 @@ class KVEventsPublisher:
         for spot, hashes in changes.removed.items():
             topic, medium = topic_of(spot), medium_of(spot)
             msgs.setdefault(topic, []).append(("removed", hashes, medium))
-            counts[topic][medium] -= len(hashes)
+            held = counts.setdefault(topic, {})
+            held[medium] = held.get(medium, 0) - len(hashes)
         for spot, chunks in changes.stored.items():
             topic, medium = topic_of(spot), medium_of(spot)
             msgs.setdefault(topic, []).append(("stored", chunks.hashes, chunks.tokens, medium))
@@ -347,7 +348,7 @@ class KVEventsPublisher:
                     if seq >= start:
                         parts = (ident, b"", seq_bytes(seq), payload) if legacy else \
                             (ident, b"", topic, seq_bytes(seq), payload)
-                        rep.send_multipart(parts, flags=zmq.NOBLOCK)
+                        rep.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)  # the buffer's bytes
                         self.counters["replayed"] += 1
                 rep.send_multipart((ident, b"", END_SEQ, b"") if legacy else (ident, b"", b"", END_SEQ, b""),
                                    flags=zmq.NOBLOCK)
