@@ -39,7 +39,7 @@ def kv_events_file(version: str) -> Path:
     download = cache_dir() / version / "wheel"
     download.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-           "--platform", "manylinux_2_35_x86_64", "--dest", str(download), f"vllm=={version}"]
+           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_35_x86_64", "--dest", str(download), f"vllm=={version}"]
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     wheels = sorted(download.glob(f"vllm-{version}-*.whl"))
     if got.returncode != 0 or not wheels:
