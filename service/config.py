@@ -61,6 +61,7 @@ _ACCESS = "access and TLS (docs/security.md)"
 _UPSTREAM = "in front of an LMCache coordinator (docs/lmcache.md)"
 _DURABILITY = "durability (docs/operations.md)"
 _FLEET = "fleet transport (docs/fleet.md)"
+_KV_EVENTS = "vLLM KV events for routers (docs/kv-events.md)"
 
 
 class ServiceConfig(BaseModel):
@@ -207,20 +208,30 @@ class ServiceConfig(BaseModel):
 
     # issue 25: the admitted stream republished as vLLM KV events (service/publish/,
     # docs/kv-events.md); vLLM's KVEventsConfig names and defaults
-    kv_events_endpoint: str = Field(default="", description="ZMQ PUB endpoint for vLLM KV events (binds when it "
-                                    "contains *, ::, ipc:// or inproc://, else connects); empty: off")
-    kv_events_replay_endpoint: str = Field(default="", description="ZMQ ROUTER endpoint (bound) answering replay "
-                                           "requests; empty: no replay")
-    kv_events_buffer_steps: int = Field(default=10_000, ge=1, description="messages kept for replay")
-    kv_events_hwm: int = Field(default=100_000, ge=0, description="ZMQ send high-water mark of the PUB socket")
-    kv_events_max_queue_size: int = Field(default=100_000, ge=1, description="messages waiting to be sent; past "
-                                          "it they are dropped (counted), never blocking ingest")
-    kv_events_encoding: Literal["map", "array"] = Field(default="map", description="map: tagged maps (vLLM >= "
-                                                        "0.30); array: tagged arrays (older vLLM)")
-    kv_events_int_hashes: bool = Field(default=False, description="block hashes as the low 64 bits (int), as "
-                                       "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; else bytes")
-    kv_events_legacy_replay: bool = Field(default=False, description="replay answers without the topic frame "
-                                          "(vLLM before #45177)")
+    kv_events_endpoint: str = Field(
+        default="", description="ZMQ PUB endpoint for vLLM KV events (binds a wildcard or IPv6-any address, ipc:// "
+        "and inproc://, else connects, as vLLM; beyond loopback only with the access file's [kv_events] "
+        "grant)",
+        json_schema_extra={"shown": "off", "group": _KV_EVENTS, "metavar": "ZMQ"})
+    kv_events_replay_endpoint: str = Field(
+        default="", description="ZMQ ROUTER endpoint (bound) answering replay requests",
+        json_schema_extra={"shown": "no replay", "group": _KV_EVENTS, "metavar": "ZMQ"})
+    kv_events_buffer_steps: int = Field(default=10_000, ge=1, description="messages kept for replay",
+                                        json_schema_extra={"group": _KV_EVENTS})
+    kv_events_hwm: int = Field(default=100_000, ge=0, description="ZMQ send high-water mark of the PUB socket",
+                               json_schema_extra={"group": _KV_EVENTS})
+    kv_events_max_queue_size: int = Field(
+        default=100_000, ge=1, description="messages waiting to be sent; past it they are dropped (counted), "
+        "never blocking ingest", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_encoding: Literal["map", "array"] = Field(
+        default="map", description="map: tagged maps (vLLM >= 0.30); array: tagged arrays (older vLLM)",
+        json_schema_extra={"group": _KV_EVENTS})
+    kv_events_int_hashes: bool = Field(
+        default=False, description="block hashes as the low 64 bits (int), as VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; "
+        "else bytes", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_legacy_replay: bool = Field(
+        default=False, description="replay answers without the topic frame (vLLM before #45177)",
+        json_schema_extra={"group": _KV_EVENTS})
 
     @field_validator("upstream_coordinator")
     @classmethod
