@@ -213,6 +213,26 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                               "scrapes and readiness probes can reach each worker (0: off)", default="off"))
     g.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on --workers children
     g.add_argument("--own-port", type=int, default=0, help=argparse.SUPPRESS)  # a child's --worker-ports-from port
+    _add_issue23_flags(p)
+
+
+# issue 23 flags: the HTTP limits (service/limits.py). Drop this block when the flags are
+# generated from ServiceConfig; the names, types and help come from the fields already.
+_ISSUE23_FIELDS = ("max_header_bytes", "header_timeout", "body_timeout", "max_connections", "max_bytes_in_flight")
+
+
+def _add_issue23_flags(p: argparse.ArgumentParser) -> None:
+    from .config import ServiceConfig
+
+    g = p.add_argument_group("HTTP limits (docs/security.md)")
+    for name in _ISSUE23_FIELDS:
+        field = ServiceConfig.model_fields[name]
+        g.add_argument("--" + name.replace("_", "-"), type=type(field.default), default=field.default,
+                       help=_help(field.description or name))
+
+
+def _issue23_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {n: getattr(args, n) for n in _ISSUE23_FIELDS if getattr(args, n, None) is not None}
 
 
 #: LMCache 0.5.6 coordinator flags that mean nothing here: accepted (so that an existing
@@ -366,7 +386,7 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
         upstream_connect_timeout=args.upstream_connect_timeout, upstream_queue_size=args.upstream_queue_size,
         upstream_queue_bytes=args.upstream_queue_bytes,
         access_file=args.access_file, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        ssl_ca_certs=args.ssl_ca_certs, **_fleet_args(args),
+        ssl_ca_certs=args.ssl_ca_certs, **_fleet_args(args), **_issue23_args(args),
     )
 
 
@@ -445,6 +465,7 @@ def _serve(argv: Sequence[str]) -> int:
     import uvicorn
 
     from .app import create_app
+    from .limits import HttpLimits, raise_open_file_limit
 
     import signal
 
@@ -463,12 +484,19 @@ def _serve(argv: Sequence[str]) -> int:
     # 5 ms several times (batches took ~15 ms instead of ~1 ms). 0.1 ms bounds that wait
     # (measured against 0.5 ms: 10-15% more lookups/s under the load test).
     sys.setswitchinterval(float(os.environ.get("BLENDMATCH_SWITCH_INTERVAL_S", "0.0001")))
+    # The HTTP limits (header bytes, read timeouts, connections, bytes in flight) live in the
+    # protocol uvicorn runs per connection, so they bite while reading (service/limits.py).
+    metrics = app.state.blendmatch_context.metrics
+    limits = HttpLimits.from_config(config, registry=metrics.registry,
+                                    on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
+    raise_open_file_limit(config.max_connections)
     # Half of --graceful-timeout for in-flight requests; the rest is for the events thread
     # and the final checkpoint (the watchdog in _GracefulServer bounds the whole stop).
     # proxy_headers=False: the peer address that the allowlists check is the socket's, never a
     # header a client could write.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                access_log=args.access_log, proxy_headers=False, **uvicorn_tls_kwargs(config),
+                               http=limits.protocol_class,
                                timeout_graceful_shutdown=max(1, int(config.graceful_timeout / 2)),
                                timeout_keep_alive=int(config.timeout_keep_alive) if config.timeout_keep_alive.is_integer()
                                else config.timeout_keep_alive)

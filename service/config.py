@@ -91,6 +91,22 @@ class ServiceConfig(BaseModel):
         description="after this many bytes of POST /events bodies, move the live objects into the "
                     "collector's permanent generation (0: never; `blendmatch serve` uses 64 MiB)")
 
+    # HTTP limits enforced while reading (service/limits.py, docs/security.md)
+    max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20,
+                                  description="bytes of one request's line and headers; over it: 431")
+    header_timeout: float = Field(default=10.0, gt=0.0, le=300.0,
+                                  description="seconds to receive a request's headers, from connect or its first "
+                                              "byte; over it: 408 (a connection that sent nothing is closed)")
+    body_timeout: float = Field(default=30.0, gt=0.0, le=3600.0,
+                                description="seconds to receive a request's whole body after its headers; over it: "
+                                            "408")
+    max_connections: int = Field(default=1000, ge=1,
+                                 description="open HTTP connections; one more is answered 503 and closed")
+    max_bytes_in_flight: int = Field(default=256 << 20, ge=1 << 16,
+                                     description="request body bytes held for unanswered requests plus response "
+                                                 "bytes not yet read by clients, over all connections; over it: 503 "
+                                                 "and close (a connection not reading its responses is aborted)")
+
     # durability (service/durability.py); LMCache 0.5.6's names and defaults for the first two
     checkpoint_path: str = Field(default="", description="checkpoint file; empty: no checkpoints")
     checkpoint_interval: float = Field(default=60.0, ge=0.0,
@@ -153,6 +169,9 @@ class ServiceConfig(BaseModel):
         if self.max_body_bytes is None:
             object.__setattr__(self, "max_body_bytes",
                                self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES)
+        if self.max_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(f"max_bytes_in_flight ({self.max_bytes_in_flight}) must be at least max_body_bytes "
+                             f"({self.max_body_bytes}): a request of the largest allowed body could never be read")
         return self
 
     @property
