@@ -23,7 +23,7 @@ import uvicorn
 from blendmatch.service.app import create_app
 from blendmatch.service.limits import HttpLimits
 
-from service_support import config
+from service_support import b64, config, served
 
 
 class Served:
@@ -272,3 +272,43 @@ def test_two_content_lengths_get_the_json_400():
                                             b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n[]")
         assert status == 400
         assert "malformed HTTP request" in json_detail(status, headers, body)
+
+
+_BIG = "9" * 5000  # over Python's 4,300-digit limit on int(str)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,body", [
+    ("/directory/blend-lookup", '{"model_name":"m","world_size":%s,"cache_salt":"","token_ids":[1]}' % _BIG),
+    ("/directory/blend-lookup", '{"model_name":"m","world_size":1,"cache_salt":"","token_ids":[1,%s]}' % _BIG),
+    ("/directory/blend-lookup/batch",
+     '{"queries":[{"model_name":"m","world_size":1,"cache_salt":"","token_ids":[%s]}]}' % _BIG),
+    ("/directory/lookup", '{"keys":[],"x":%s}' % _BIG),
+    ("/instances", '{"instance_id":"a","host":"h","port":%s}' % _BIG),
+], ids=["world_size", "token_id", "batch_token_id", "keys_lookup", "instances"])
+async def test_integers_of_thousands_of_digits_are_a_plain_422(path, body):
+    async with served() as (client, _):
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert "number out of range" in detail
+    assert "set_int_max_str_digits" not in r.text and "4300 digits" in detail
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ctrl", ["\n", "\t", "\r", "\x00"])
+async def test_raw_control_character_in_tokens_b64_gets_the_routes_answer(ctrl):
+    v = b64(list(range(32)))
+    fast = '{"tokens_b64":"%s%s%s","model_name":"m","world_size":1,"cache_salt":""}' % (v[:8], ctrl, v[8:])
+    routed = '{"model_name":"m","world_size":1,"cache_salt":"","tokens_b64":"%s%s%s"}' % (v[:8], ctrl, v[8:])
+    async with served() as (client, _):
+        answers = [await client.post("/directory/blend-lookup", content=body,
+                                     headers={"content-type": "application/json"}) for body in (fast, routed)]
+    for r in answers:
+        assert r.status_code == 422
+        assert "JSON decode error: Invalid control character" in r.json()["detail"], r.text
