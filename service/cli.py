@@ -503,6 +503,13 @@ def _serve(argv: Sequence[str]) -> int:
     server = _graceful_server_class(uvicorn.Server)(uv_config, config.graceful_timeout)
     context = app.state.blendmatch_context
     context.on_fatal = server.fail
+    from .durability import CheckpointRequired
+
+    try:  # before the port opens: a directory, a file not ours, a path another server holds
+        context.durability.prepare()
+    except CheckpointRequired as exc:
+        logging.getLogger("blendmatch.service").critical("%s", exc)
+        return 1
     if args.reuse_port:  # a --workers child: its own socket on the shared port
         from .workers import listen_socket
 
@@ -520,6 +527,8 @@ def _serve(argv: Sequence[str]) -> int:
         server.run()
     if context.fatal is not None or server.exit_code:
         return server.exit_code or 1
+    if context.durability.final_error is not None:  # logged at ERROR by the stop
+        return 1
     return 0
 
 
