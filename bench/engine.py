@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -33,7 +34,7 @@ from blendmatch.index import BlendIndex, BlendNamespace, SlotArray
 
 from .lmcache_blend import planted_queries
 
-__all__ = ["main", "run", "run_vs_lmcache"]
+__all__ = ["lmcache_side", "main", "run", "run_vs_lmcache"]
 
 NS = BlendNamespace("bench-model")
 
@@ -162,21 +163,12 @@ def run(chunks: int = 100_000, chunk_size: int = 256, engine: str = "auto", quer
     return res
 
 
-def run_vs_lmcache(wheel: str, *, stubs: str | None = None, deps: Sequence[str] = (), chunks: int = 200_000,
-                   chunk_size: int = 256, engine: str = "auto", queries: int = 16, query_tokens: int = 32_768,
-                   hit_fraction: float = 0.25, repeat: int = 3, seed: int = 0,
-                   progress: bool = True) -> dict[str, Any]:
-    """``match_batch`` end to end against LMCache 0.5.6's own ``BlendIndex.match`` (one query
-    at a time, its only form) on the same chunks and queries (``lmcache_blend.workload``),
-    LMCache's side in a subprocess (its torch stand-ins stay out of this process)."""
+def lmcache_side(wheel: str, spec: dict[str, Any], *, stubs: str | None = None, deps: Sequence[str] = ()
+                 ) -> dict[str, Any]:
+    """Run ``lmcache_blend.py SPEC`` (LMCache 0.5.6's BlendIndex) in a subprocess with the
+    unzipped wheel ``wheel`` and its torch stand-ins on the path; its JSON answer."""
     import subprocess
-    from pathlib import Path
 
-    from .lmcache_blend import workload
-
-    say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
-    spec = dict(chunks=chunks, chunk_size=chunk_size, queries=queries, query_tokens=query_tokens,
-                hit_fraction=hit_fraction, seed=seed, repeat=repeat)
     wheel_dir = Path(wheel).resolve()
     stubs_dir = Path(stubs) if stubs else wheel_dir.parent / "stubs"
     path = [str(stubs_dir), str(wheel_dir), *[str(d) for d in deps]]
@@ -184,13 +176,28 @@ def run_vs_lmcache(wheel: str, *, stubs: str | None = None, deps: Sequence[str] 
         path.append(str(wheel_dir.parent / "deps"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     script = Path(__file__).with_name("lmcache_blend.py")
-    say(f"vs LMCache: its BlendIndex from {wheel_dir}, {chunks:,} chunks, {queries} x {query_tokens} tokens, "
-        f"{hit_fraction:.0%} stored content")
     got = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=env, capture_output=True, text=True,
                          cwd=str(stubs_dir.parent), check=False)
     if got.returncode != 0:
         raise RuntimeError(f"LMCache's side failed (rc {got.returncode}):\n{got.stderr[-3000:]}")
-    theirs = json.loads(got.stdout.strip().splitlines()[-1])
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def run_vs_lmcache(wheel: str, *, stubs: str | None = None, deps: Sequence[str] = (), chunks: int = 200_000,
+                   chunk_size: int = 256, engine: str = "auto", queries: int = 16, query_tokens: int = 32_768,
+                   hit_fraction: float = 0.25, repeat: int = 3, seed: int = 0,
+                   progress: bool = True) -> dict[str, Any]:
+    """``match_batch`` end to end against LMCache 0.5.6's own ``BlendIndex.match`` (one query
+    at a time, its only form) on the same chunks and queries (``lmcache_blend.workload``),
+    LMCache's side in a subprocess (its torch stand-ins stay out of this process)."""
+    from .lmcache_blend import workload
+
+    say = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
+    spec = dict(chunks=chunks, chunk_size=chunk_size, queries=queries, query_tokens=query_tokens,
+                hit_fraction=hit_fraction, seed=seed, repeat=repeat)
+    say(f"vs LMCache: its BlendIndex from {Path(wheel).resolve()}, {chunks:,} chunks, {queries} x {query_tokens} "
+        f"tokens, {hit_fraction:.0%} stored content")
+    theirs = lmcache_side(wheel, spec, stubs=stubs, deps=deps)
 
     tokens, qs = workload(chunks, chunk_size, queries, query_tokens, hit_fraction, seed)
     idx = BlendIndex(chunk_size=chunk_size, engine=_make_engine(engine))

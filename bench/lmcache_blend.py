@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["planted_queries", "workload"]
+__all__ = ["copies_workload", "planted_queries", "workload"]
 
 
 def planted_queries(rng: np.random.Generator, chunks: np.ndarray, n: int, length: int, hit_fraction: float,
@@ -50,7 +50,37 @@ def workload(chunks: int, chunk_size: int, queries: int, query_tokens: int, hit_
     return tokens, planted_queries(rng, tokens, queries, query_tokens, hit_fraction, chunk_size)
 
 
+def copies_workload(copies: int, chunk_size: int, query_tokens: int) -> tuple[np.ndarray, list[bytes], np.ndarray]:
+    """``(chunk rows, chunk hashes, query)``: one chunk of a repeated token stored under
+    ``copies`` chunk hashes (one document after many prefixes), and a query of that token,
+    so that every window verifies and each may take one unseen hash (``bench/copies.py``)."""
+    rows = np.full((copies, chunk_size), 7, dtype=np.uint32)
+    return rows, [i.to_bytes(16, "little") for i in range(copies)], np.full(query_tokens, 7, dtype=np.uint32)
+
+
+def _run_copies(spec: dict[str, Any]) -> dict[str, Any]:
+    import resource
+
+    from lmcache.v1.mp_coordinator.api import BlendNamespace  # noqa: PLC0415 - after the stubs
+    from lmcache.v1.mp_coordinator.blend_index import BlendIndex
+
+    rows, hashes, query = copies_workload(spec["copies"], spec["chunk_size"], spec["query_tokens"])
+    ns = BlendNamespace("bench-model")
+    index = BlendIndex(chunk_size=spec["chunk_size"])
+    for row, h in zip(rows, hashes):
+        index.add(row, h, 0, ns)
+    index.match(query[: 4 * spec["chunk_size"]], ns)  # compile
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    found = index.match(query, ns)
+    match_s = time.perf_counter() - t0
+    return {"lmcache_match_s": match_s, "lmcache_matches": len(found),
+            "lmcache_peak_rss_delta_bytes": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak0) * 1024}
+
+
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("shape") == "copies":
+        return _run_copies(spec)
     from lmcache.v1.mp_coordinator.api import BlendNamespace  # noqa: PLC0415 - after the stubs
     from lmcache.v1.mp_coordinator.blend_index import BlendIndex
 

@@ -2,7 +2,8 @@
 
 Tokens (``tokens``), keys and namespaces (``types``), the slot array (``slots``) and
 storage, the blend index (``blend_index``), LMCache's event body (``wire``,
-``wire_models``), the ingest gate (``gate``) and the key directory (``key_directory``).
+``wire_models``), the ingest gate (``gate``), the key directory (``key_directory``, a facade over
+``bindings``, ``ingest``, ``indexable`` and ``capacity``).
 Imports ``blendmatch.gpu`` (public names only) and nothing above it.
 
 Names are loaded on first use (PEP 562), so ``import blendmatch.index.types`` or
@@ -17,7 +18,7 @@ from blendmatch.lazy import lazy_exports
 
 #: Public name -> the module (in this package) that defines it. One home per name.
 _EXPORTS: dict[str, str] = {
-    "ApplyCounts": "key_directory",
+    "ApplyCounts": "ingest",
     "BlendIndex": "blend_index",
     "BlendLookupDisabled": "key_directory",
     "BlendMatch": "types",
@@ -27,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "EventRequest": "wire",
     "EventRequestModel": "wire_models",
     "EventValidationError": "wire",
-    "FenceResult": "key_directory",
+    "FenceResult": "bindings",
     "IngestGate": "gate",
     "KeyDirectory": "key_directory",
     "KeyPlacements": "placements",
@@ -55,8 +56,10 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:  # static checkers see ordinary imports
     from .blend_index import BlendIndex, MatchStats
+    from .bindings import FenceResult
     from .gate import IngestGate
-    from .key_directory import ApplyCounts, BlendLookupDisabled, FenceResult, KeyDirectory
+    from .ingest import ApplyCounts
+    from .key_directory import BlendLookupDisabled, KeyDirectory
     from .placements import SHARED_POOL_INSTANCE, KeyPlacements, Placement
     from .slots import SlotArray
     from .tokens import TokenDecodeError

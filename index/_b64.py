@@ -9,7 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["B64_TABLE", "b64decode_many"]
+__all__ = ["B64_TABLE", "decode_segment"]
 
 
 def _b64_table() -> np.ndarray:
@@ -23,7 +23,7 @@ B64_TABLE = _b64_table()
 
 
 @numba.njit(cache=True, nogil=True)
-def _b64_segment(src, lo, hi, table, out, o):  # pragma: no cover - compiled
+def decode_segment(src, lo, hi, table, out, o):  # pragma: no cover - compiled
     """Decode ``src[lo:hi]`` (strict standard base64) into ``out[o:]``; returns -1 or the
     position (relative to ``lo``) of the first bad character (``hi - lo`` for a length that
     is not a multiple of 4). The main loop has no early exit (it ORs the table values and
@@ -62,28 +62,3 @@ def _b64_segment(src, lo, hi, table, out, o):  # pragma: no cover - compiled
             v |= np.uint32(table[src[i + 2]]) << 6
             out[o + 1] = (v >> 8) & 0xFF
     return -1
-
-
-@numba.njit(cache=True, nogil=True)
-def b64decode_many(src, starts, table):  # pragma: no cover - compiled
-    """Decode every segment ``src[starts[k]:starts[k+1]]`` into one buffer.
-
-    Returns ``(out, out_starts, bad)``: segment ``k`` decoded is ``out[out_starts[k]:
-    out_starts[k+1]]`` when ``bad[k] == -1``; otherwise ``bad[k]`` is its error position.
-    """
-    m = starts.shape[0] - 1
-    out_starts = np.zeros(m + 1, dtype=np.int64)
-    for k in range(m):
-        n = starts[k + 1] - starts[k]
-        size = 0
-        if n % 4 == 0 and n:
-            pad = 0
-            if src[starts[k + 1] - 1] == 61:
-                pad = 2 if src[starts[k + 1] - 2] == 61 else 1
-            size = n // 4 * 3 - pad
-        out_starts[k + 1] = out_starts[k] + size
-    out = np.empty(out_starts[m], dtype=np.uint8)
-    bad = np.empty(m, dtype=np.int64)
-    for k in range(m):
-        bad[k] = _b64_segment(src, starts[k], starts[k + 1], table, out, out_starts[k])
-    return out, out_starts, bad

@@ -1,22 +1,19 @@
 """BlendIndex: which stored chunks does a token sequence contain, where, for whom?
 
-The content-fingerprint index of DESIGN.md section 5. Contents are keyed by THE fingerprint
-(``fingerprint.py``) of their ``chunk_size`` tokens; each content has *occupants* (the chunk
-hashes stored with exactly those tokens, in first-indexed order), each with its
-``token_offset`` and the set of namespaces that *claim* it. The slot array
-(``slots.py``) sits in front of the exact map so that an engine (``gpu/``) can reject almost
-every query window without touching the host structures.
+The content-fingerprint index (``docs/architecture.md`` walks a lookup through it).
+Contents are keyed by THE fingerprint (``gpu/fingerprint.py``) of their ``chunk_size``
+tokens; each content has *occupants* (the chunk hashes stored with exactly those tokens, in
+first-indexed order), each with its ``token_offset`` and the set of namespaces that *claim*
+it. The slot array (``slots.py``) sits in front of the exact map so that an engine
+(``gpu/``) can reject almost every query window without touching the host structures.
 
-``match_batch`` pipeline: one engine probe for the whole batch -> candidates
-``(query, cur_st, fingerprint)`` ascending -> under the lock: fingerprint map lookup ->
-namespace filter (occupants the requester does not claim are skipped *before* tokens are
-compared) -> token-exact verification -> LMCache 0.5.6's per-position rule: positions in
-ascending order with one ``seen`` set per query; at each position the first occupant of
-that content (first-indexed order; a hash removed and re-added goes last) that the
-requester claims, is not yet seen and verifies is reported, and the walk moves on. So at
-most one match per position and no chunk hash twice in a query: content C stored under
-A then B, query ``C..C`` -> A at the first copy, B at the second. A chunk is marked seen
-only after it was verified.
+``match_batch`` / ``match_flat``: one engine probe for the whole batch (outside the lock) ->
+candidates ``(query, cur_st, fingerprint)`` ascending -> under the lock: fingerprint map
+lookup -> namespace filter (before tokens are compared) -> token-exact verification ->
+LMCache 0.5.6's per-position rule (``verify.py``: at most one match per position and no
+chunk hash twice in a query; content C stored under A then B, query ``C..C`` -> A at the
+first copy, B at the second; a hash removed and re-added goes last; a chunk is taken only
+after it verified), in time linear in candidates plus occupants.
 
 Invariants:
 - A chunk whose ``token_offset`` is unknown (-1) is never indexed as a new occupant, and a
@@ -43,18 +40,17 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numba
 import numpy as np
 
 from blendmatch.gpu import Candidates, Engine, FailoverEngine, QueryBatch, chunk_fingerprint, chunk_fingerprints, select_engine
 
 from .slots import FilterMode, SlotArray
 from .tokens import as_token_rows, as_tokens
-from .storage import Columns, FingerprintMap, TokenStore
+from .storage import Columns, FingerprintMap, TokenStore, split_hashes
 from .types import UNKNOWN_TOKEN_OFFSET, BlendMatch, BlendNamespace
+from .verify import NO_KEYS, MatchStats, hash_keys, per_position_rule
 
 __all__ = ["BlendIndex", "MatchStats"]
 
@@ -63,98 +59,6 @@ log = logging.getLogger(__name__)
 _BYTES_ONLY = {bytes}
 _NONE = -1  # end of a linked list
 _FREE = -2  # c_occ of a free content row
-
-
-@dataclass
-class MatchStats:
-    """What one ``match_batch`` did (for metrics and the benchmark)."""
-
-    queries: int = 0
-    tokens: int = 0
-    windows: int = 0
-    survivors: int = 0  # candidates the engine returned
-    dict_misses: int = 0  # survivors whose fingerprint is not indexed (filter false positives)
-    ns_filtered: int = 0  # survivors skipped: no occupant claimed by the requester
-    token_rejections: int = 0  # same fingerprint, different tokens
-    matches: int = 0
-    engine_s: float = 0.0
-    verify_s: float = 0.0
-    engine_name: str = ""
-    engine_timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def verify_rejections(self) -> int:
-        """Survivors that produced no match."""
-        return self.dict_misses + self.ns_filtered + self.token_rejections
-
-
-@numba.njit(cache=True, nogil=True)
-def _claimed(occ, ns, o_claim, k_ns, k_next):  # pragma: no cover - compiled
-    k = o_claim[occ]
-    while k >= 0:
-        if k_ns[k] == ns:
-            return True
-        k = k_next[k]
-    return False
-
-
-@numba.njit(cache=True, nogil=True)
-def _verify_nb(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask,
-               c_occ, o_next, o_claim, k_ns, k_next):  # pragma: no cover - compiled
-    """Emit ``(candidate, occupant)`` pairs that pass the namespace filter and verification:
-    for each verified candidate, every occupant the requester claims, in first-indexed order
-    (the caller applies the per-position rule: the first of them not yet seen)."""
-    n = cq.shape[0]
-    cap = 64
-    out_c = np.empty(cap, dtype=np.int64)
-    out_o = np.empty(cap, dtype=np.int64)
-    k = 0
-    misses = 0
-    ns_skip = 0
-    rejects = 0
-    for i in range(n):
-        row = rows[i]
-        if row < 0:
-            misses += 1
-            continue
-        ns = q_ns[cq[i]]
-        any_claim = False
-        if ns >= 0:
-            occ = c_occ[row]
-            while occ >= 0:
-                if _claimed(occ, ns, o_claim, k_ns, k_next):
-                    any_claim = True
-                    break
-                occ = o_next[occ]
-        if not any_claim:
-            ns_skip += 1
-            continue
-        blk = blocks[row >> shift]
-        r = row & bmask
-        base = offsets[cq[i]] + cst[i]
-        same = True
-        for t in range(width):
-            if tokens[base + t] != blk[r, t]:
-                same = False
-                break
-        if not same:
-            rejects += 1
-            continue
-        occ = c_occ[row]
-        while occ >= 0:
-            if _claimed(occ, ns, o_claim, k_ns, k_next):
-                if k == cap:
-                    cap *= 2
-                    nc = np.empty(cap, dtype=np.int64)
-                    no = np.empty(cap, dtype=np.int64)
-                    nc[:k] = out_c[:k]
-                    no[:k] = out_o[:k]
-                    out_c, out_o = nc, no
-                out_c[k] = i
-                out_o[k] = occ
-                k += 1
-            occ = o_next[occ]
-    return out_c[:k], out_o[:k], misses, ns_skip, rejects
 
 
 _EMPTY_LIST_BYTES = sys.getsizeof([])
@@ -358,11 +262,27 @@ class BlendIndex:
             arrays.append(as_tokens(tokens, name=f"query {i} tokens"))
             _check_ns(ns)
             namespaces.append(ns)
-        stats = MatchStats(queries=len(arrays), tokens=sum(a.size for a in arrays))
-        results: list[list[BlendMatch]] = [[] for _ in arrays]
         if not arrays:
-            return results, stats
-        batch = QueryBatch.from_queries(arrays, self.chunk_size, self.probe_stride)
+            return [], MatchStats()
+        return self._match(QueryBatch.from_queries(arrays, self.chunk_size, self.probe_stride), namespaces)
+
+    def match_flat(self, tokens: np.ndarray, offsets: np.ndarray, namespaces: Sequence[BlendNamespace]
+                   ) -> tuple[list[list[BlendMatch]], MatchStats]:
+        """:meth:`match_batch_detailed` of queries already back to back in one uint32 buffer:
+        query ``q`` is ``tokens[offsets[q]:offsets[q+1]]`` (``tokens.decode_query_tokens``
+        builds them). The engine probes the buffer as it is: no copy."""
+        for i, ns in enumerate(namespaces):
+            _check_ns(ns)
+        if len(namespaces) != offsets.shape[0] - 1:
+            raise ValueError(f"{len(namespaces)} namespaces for {offsets.shape[0] - 1} queries")
+        if not namespaces:
+            return [], MatchStats()
+        return self._match(QueryBatch(tokens, offsets, self.chunk_size, self.probe_stride), list(namespaces))
+
+    def _match(self, batch: QueryBatch, namespaces: list[BlendNamespace]
+               ) -> tuple[list[list[BlendMatch]], MatchStats]:
+        stats = MatchStats(queries=batch.num_queries, tokens=batch.num_tokens)
+        results: list[list[BlendMatch]] = [[] for _ in namespaces]
         t0 = time.perf_counter()
         cands = self._probe(batch)
         t1 = time.perf_counter()
@@ -469,7 +389,7 @@ class BlendIndex:
                             got["o_free"].tolist())
             self._k.restore({k: got[f"k_{k}"] for k in ("ns", "next")}, k_size, got["k_free"].tolist())
             self._fpmap.restore(got["fp_keys"], got["fp_vals"], doc["fpmap"]["live"], doc["fpmap"]["tombstones"])
-            self._o_hash = _split_hashes(blob, lengths)
+            self._o_hash = split_hashes(blob, lengths)
             live_hashes = [h for h in self._o_hash if h is not None]
             same = live_hashes and int(lengths.min()) == int(lengths.max())
             self._hash_bytes = (len(live_hashes) * sys.getsizeof(live_hashes[0]) if same
@@ -716,38 +636,32 @@ class BlendIndex:
 
     def _verify(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
                 results: list[list[BlendMatch]], stats: MatchStats) -> None:
+        """Verification and the per-position rule (``verify.per_position_rule``), under the
+        lock: time and memory linear in candidates plus occupants, one pair per match."""
         with self._lock:
             q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64,
                                count=len(namespaces))
             rows = self._fpmap.lookup(cands.fingerprint)
-            ci, oi, misses, ns_skip, rejects = _verify_nb(
-                cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
-                self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
-                self._o["claim"], self._k["ns"], self._k["next"])
-            stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
-            # What the per-position rule needs, copied out under the lock in bulk (no numpy
-            # scalar per pair); the rule itself then runs without holding the lock.
-            oi_list = oi.tolist()
+            args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
+                    self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
+                    self._o["claim"], self._k["ns"], self._k["next"])
+            ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, NO_KEYS, False)
+            hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
+            qidx = cands.query_index[ci].tolist()
+            if len(set(zip(qidx, hashes))) != len(hashes):
+                # One chunk hash occupies two contents (possible through this class's API, never
+                # through the directory's): "taken" must go by hash, not by occupant.
+                keys = hash_keys(rows, self._c["occ"], self._o["next"], self._o_hash)
+                ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, keys, True)
+                hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
+                qidx = cands.query_index[ci].tolist()
             old_sts = self._o["offset"][oi].tolist()
-            hashes = list(map(self._o_hash.__getitem__, oi_list))
-        qidx = cands.query_index[ci].tolist()
-        cur = cands.cur_st[ci].tolist()
-        # The per-position rule: pairs come grouped by candidate (one candidate per query
-        # position, ascending), occupants in first-indexed order; take the first whose hash
-        # this query has not seen, then skip the candidate's other occupants.
-        seen: set[tuple[int, bytes]] = set()
-        taken = -1
+        stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
+        stats.occupant_steps = int(steps)
         make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
-        for c, q, st, h, old in zip(ci.tolist(), qidx, cur, hashes, old_sts):
-            if c == taken:
-                continue
-            key = (q, h)
-            if key in seen:
-                continue
-            seen.add(key)
-            taken = c
+        for q, st, h, old in zip(qidx, cands.cur_st[ci].tolist(), hashes, old_sts):
             results[q].append(make(BlendMatch, (h, old, st)))
-        stats.matches = len(seen)
+        stats.matches = len(hashes)
 
 
 class _Repeat(Sequence):
@@ -765,23 +679,6 @@ class _Repeat(Sequence):
         if not -self.n <= i < self.n:
             raise IndexError(i)
         return self.value
-
-
-def _split_hashes(blob: bytes, lengths: np.ndarray) -> list[bytes | None]:
-    """Occupant chunk hashes from their concatenation; length -1 is a free occupant (None)."""
-    n = int(lengths.shape[0])
-    if n and int(lengths.min()) == int(lengths.max()) and int(lengths[0]) > 0:  # one hash length: slices
-        w = int(lengths[0])
-        return [blob[i:i + w] for i in range(0, n * w, w)]
-    out: list[bytes | None] = []
-    pos = 0
-    for ln in lengths.tolist():
-        if ln < 0:
-            out.append(None)
-        else:
-            out.append(blob[pos:pos + ln])
-            pos += ln
-    return out
 
 
 def _check_hash(chunk_hash: Any) -> None:

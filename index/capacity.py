@@ -15,8 +15,9 @@ declaration (a compartment it omits stops being reported), an *equal* stamp exte
 (owner ``""`` is a shared pool) and count and bytes per tier, kept incrementally by the
 directory so that stats and a metrics scrape cost O(1), not a walk of the keys.
 
-Neither class locks: the directory calls them with its own lock held. ``snapshot()`` /
-``restore()`` are plain JSON-able data for checkpoints.
+Neither class locks: the directory calls them with its own lock held. Declarations travel in
+checkpoints as plain JSON-able data (``export_state`` / ``restore_state``); the ledger is
+derived from the placements and rebuilt from them after a restore (``UsageLedger.rebuild``).
 """
 
 from __future__ import annotations
@@ -89,16 +90,16 @@ class CapacityDeclarations:
                  "shared": c.shared}
                 for inst, comps in self._by_instance.items() for c in comps.values()]
 
-    def snapshot(self) -> dict[str, Any]:
-        """Plain JSON-able state (stamps travel with the modules, so a restored registry
+    def export_state(self) -> dict[str, Any]:
+        """Checkpoint state, plain JSON-able data (stamps travel with the modules, so a restored registry
         still drops stragglers from before the snapshot)."""
         return {"declarations": [
             {"instance_id": inst, "incarnation": inc, "revision": rev,
              "modules": [list(c) for c in self._by_instance.get(inst, {}).values()]}
             for inst, (inc, rev) in self._stamps.items()]}
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Replace everything with a :meth:`snapshot` value."""
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        """Replace everything with an :meth:`export_state` value."""
         self._by_instance.clear()
         self._stamps.clear()
         for d in state.get("declarations", ()):
@@ -128,6 +129,14 @@ class UsageLedger:
                 self.by_owner[ident] = total
             else:
                 self.by_owner.pop(ident, None)
+
+    def rebuild(self, placements: Iterable[Any]) -> None:
+        """Start over from every placement held (after a restore). O(placements)."""
+        self.by_owner.clear()
+        self.tier_count = {"l1": 0, "l2": 0}
+        self.tier_bytes = {"l1": 0, "l2": 0}
+        for p in placements:
+            self.add(p.instance_id, p.tier, p.backend, 1, p.size_bytes)
 
     def remove_placements(self, placements: Iterable[Any]) -> None:
         """Placements (``Placement`` tuples) that went away."""

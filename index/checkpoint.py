@@ -46,6 +46,7 @@ import numpy as np
 from .ckpt_file import CheckpointError, CheckpointFile, Section, WriteStats, read_checkpoint, write_checkpoint
 from .key_directory import KeyDirectory
 from .placements import Placement
+from .storage import split_hashes
 from .types import BlendNamespace
 from .wire import KeyScope
 
@@ -101,7 +102,7 @@ def directory_sections(directory: KeyDirectory, extra: Optional[Mapping[str, Any
                        ) -> tuple[dict[str, Section], dict[str, Any]]:
     """The sections of ``directory`` (call with ingest paused, or in a forked child) and the
     summary shown by ``inspect``. ``extra``: name -> JSON document, one section each."""
-    snap = directory.snapshot()
+    snap = directory.export_state()
     hashes: list[bytes] = snap["hashes"]
     n = len(hashes)
     # member tables: interned tuples, deduplicated by identity, then scopes/placements by value
@@ -205,7 +206,7 @@ def capture(directory: KeyDirectory, path: str | os.PathLike, *,
     path = os.fspath(path)
     use_fork = hasattr(os, "fork") if fork is None else fork
     t0 = time.perf_counter()
-    with directory.pause_ingest():
+    with directory.ingest_lock:
         docs = dict(extra()) if extra is not None else {}
         if use_fork:
             rfd, wfd = os.pipe()
@@ -248,16 +249,6 @@ def capture(directory: KeyDirectory, path: str | os.PathLike, *,
 
 
 # ---------------------------------------------------------------------- restore
-def _split(blob: bytes, lengths: np.ndarray) -> list[bytes]:
-    n = int(lengths.shape[0])
-    if n and int(lengths.min()) == int(lengths.max()):
-        w = int(lengths[0])
-        return [blob[i:i + w] for i in range(0, n * w, w)]
-    ends = np.cumsum(lengths).tolist()
-    starts = [0] + ends[:-1]
-    return [blob[a:b] for a, b in zip(starts, ends)]
-
-
 def _members(doc: dict[str, Any]) -> list[Any]:
     scopes = [KeyScope(model, int(rank), int(group), salt, BlendNamespace(model, salt, int(ws)))
               for model, rank, group, salt, ws in doc["scopes"]]
@@ -293,7 +284,7 @@ def _restore(directory: KeyDirectory, ckpt: CheckpointFile, t0: float) -> Restor
         # read (and so verify) every buffer before anything changes
         arr = {name: sec.array(name) for name in ("hash_blob", "hash_len", "member_id", "token_ref", "offset",
                                                    "indexed", "private_tokens", "private_len", "l1_pos")}
-        hashes = _split(arr["hash_blob"].tobytes(), arr["hash_len"])
+        hashes = split_hashes(arr["hash_blob"].tobytes(), arr["hash_len"])
         n = len(hashes)
         member_table = _members(doc)
         members = list(map(member_table.__getitem__, arr["member_id"].tolist()))
@@ -327,7 +318,7 @@ def _restore(directory: KeyDirectory, ckpt: CheckpointFile, t0: float) -> Restor
                  "counters": doc["counters"], "gate": gate}
         if not (len(members) == len(state["offsets"]) == len(state["indexed"]) == n):
             raise CheckpointError("directory columns disagree in length")
-        directory.restore(state)
+        directory.restore_state(state)
         extra = {name: ckpt.section(name).doc for name in ckpt if name not in CORE_SECTIONS}
     except CheckpointError:
         raise

@@ -245,10 +245,6 @@ class SectionReader:
             raise CorruptCheckpoint(f"section {self.name!r}: document is not JSON ({exc})") from None
         self.nbytes = entry["doc"]["length"] + sum(a["length"] for a in entry["arrays"])
 
-    @property
-    def array_names(self) -> list[str]:
-        return list(self._arrays)
-
     def has(self, name: str) -> bool:
         return name in self._arrays
 

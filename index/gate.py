@@ -104,13 +104,13 @@ class IngestGate:
         """A snapshot of every instance's cursor."""
         return dict(self._cursors)
 
-    def snapshot(self) -> dict:
-        """Cursors and counters as a JSON-able document (for a checkpoint). Every field of
+    def export_state(self) -> dict:
+        """Checkpoint state: cursors and counters as a JSON-able document. Every field of
         :class:`InstanceCursor` is kept by name, so fields added later survive too."""
         return {"cursors": {inst: c._asdict() for inst, c in self._cursors.items()}, "counters": self.counters()}
 
-    def restore(self, doc: dict) -> None:
-        """Replace the cursors and counters by a :meth:`snapshot`: a batch the snapshot had
+    def restore_state(self, doc: dict) -> None:
+        """Replace the cursors and counters by an :meth:`export_state`: a batch it had
         admitted is then a duplicate again."""
         self._cursors = {str(inst): InstanceCursor(**c) for inst, c in doc["cursors"].items()}
         for name, value in doc.get("counters", {}).items():

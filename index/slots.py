@@ -3,7 +3,7 @@
 Question answered: "could this window's fingerprint be in the index?" cheaply enough to
 ask for every window of every query, on a CPU or mirrored on a GPU.
 
-Layout (DESIGN.md section 4): ``2^k`` slots of one byte, ``2^k >= 16 x live fingerprints``
+Layout (what engines probe; ``docs/architecture.md``): ``2^k`` slots of one byte, ``2^k >= 16 x live fingerprints``
 (min 1024). A slot is ``0`` empty, ``1..254`` the tag of the single fingerprint that lives
 there, or ``255`` shared (two or more fingerprints, or stale after a removal from a shared
 slot). A window survives iff ``slot == tag(F)`` or ``slot == 255`` (``fingerprint.py``

@@ -20,7 +20,7 @@ from numba.typed import List as NumbaList
 
 from blendmatch.gpu.fingerprint import mix64_scalar
 
-__all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE"]
+__all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE", "split_hashes"]
 
 #: FingerprintMap value of a never-used slot / of a deleted one (keeps probe chains intact).
 EMPTY = -1
@@ -399,3 +399,20 @@ class TokenStore:
         ok &= (delta < span) & (delta % stride == 0)
         out[ok] = (order[kk[ok]].astype(np.int64) << self.shift) + delta[ok] // stride
         return out
+
+
+def split_hashes(blob: bytes, lengths: np.ndarray) -> list[bytes | None]:
+    """Occupant chunk hashes from their concatenation; length -1 is a free occupant (None)."""
+    n = int(lengths.shape[0])
+    if n and int(lengths.min()) == int(lengths.max()) and int(lengths[0]) > 0:  # one hash length: slices
+        w = int(lengths[0])
+        return [blob[i:i + w] for i in range(0, n * w, w)]
+    out: list[bytes | None] = []
+    pos = 0
+    for ln in lengths.tolist():
+        if ln < 0:
+            out.append(None)
+        else:
+            out.append(blob[pos:pos + ln])
+            pos += ln
+    return out

@@ -57,6 +57,8 @@ __all__ = [
     "check_token_count",
     "decode_b64",
     "decode_b64_many",
+    "decode_query_tokens",
+    "is_b64_source",
     "decode_token_ids",
     "decode_tokens",
     "encode_tokens",
@@ -185,68 +187,117 @@ def encode_tokens(tokens: Any) -> str:
     return base64.b64encode(np.ascontiguousarray(arr, dtype="<u4").tobytes()).decode("ascii")
 
 
-def b64_token_count(value: str | bytes) -> int:
+def b64_token_count(value: str | bytes | memoryview) -> int:
     """Tokens a well-formed ``tokens_b64`` string (or its ASCII bytes) carries, from its
     length alone (exact for valid input; a malformed string fails when it is decoded)."""
     n = len(value)
     eq2, eq1 = ("==", "=") if isinstance(value, str) else (b"==", b"=")
-    pad = 2 if value.endswith(eq2) else 1 if value.endswith(eq1) else 0
+    pad = 2 if value[-2:] == eq2 else 1 if value[-1:] == eq1 else 0
     return max(0, (n // 4 * 3 - pad) // 4)
 
 
-def decode_b64_many(values: Sequence[str | bytes], field: str = "tokens_b64", *,
-                    ascii_bytes: bool = False) -> list[np.ndarray | TokenDecodeError]:
-    """Decode several ``tokens_b64`` strings in one ``nogil`` kernel call. With
-    ``ascii_bytes`` a value may also be the string's ASCII bytes, as
-    :func:`split_b64_value` takes them out of a body (the lookup thread); elsewhere bytes
-    are not a base64 string (a Python caller's mistake, named as such).
+def is_b64_source(value: Any) -> bool:
+    """Is a lookup query's token source a ``tokens_b64`` string (``str``, or its ASCII bytes
+    as :func:`split_b64_value` takes them out of a body), rather than a uint32 array?"""
+    return isinstance(value, (str, bytes, memoryview))
 
-    Each item is a read-only uint32 array or the :class:`TokenDecodeError` for that string
-    (returned, not raised, so one bad query does not fail its neighbours). Run it where
-    holding no GIL matters: the lookup thread decodes a whole batch this way.
+
+def decode_b64_many(values: Sequence[str | bytes | memoryview], field: str = "tokens_b64", *,
+                    ascii_bytes: bool = False) -> list[np.ndarray | TokenDecodeError]:
+    """Decode several ``tokens_b64`` strings in one buffer. With ``ascii_bytes`` a value may
+    also be the string's ASCII bytes (or a memoryview of them), as :func:`split_b64_value`
+    takes them out of a body (the lookup thread); elsewhere bytes are not a base64 string
+    (a Python caller's mistake, named as such).
+
+    Each item is a read-only uint32 array (views of one buffer) or the
+    :class:`TokenDecodeError` for that string (returned, not raised, so one bad query does
+    not fail its neighbours). The kernel is ``nogil``: run it where that matters.
     """
+    flat, spans, errors = _decode_flat(values, field, ascii_bytes)
+    return [errors[k] if k in errors else flat[lo:hi] for k, (lo, hi) in enumerate(spans)]
+
+
+def decode_query_tokens(sources: Sequence[np.ndarray | str | bytes | memoryview], field: str = "tokens_b64"
+                        ) -> tuple[np.ndarray, np.ndarray, list[TokenDecodeError | None]]:
+    """A batch of lookup queries as the index probes them: ``(tokens, offsets, errors)``,
+    one flat read-only uint32 buffer holding every query that decoded, back to back, with
+    ``offsets`` (int64, one more than those queries) and per source None or why its
+    ``tokens_b64`` did not decode (that query then has no span). Each token is written once:
+    base64 text (``str``, or ASCII bytes / memoryview as for :func:`decode_b64_many` with
+    ``ascii_bytes``) decodes straight into the buffer, a uint32 array is copied into it;
+    nothing is joined or concatenated first (``docs/architecture.md`` counts the copies)."""
+    flat, spans, errors = _decode_flat(sources, field, True)
+    lengths = [0 if k in errors else hi - lo for k, (lo, hi) in enumerate(spans)]
+    offsets = np.zeros(len(sources) - len(errors) + 1, dtype=np.int64)
+    np.cumsum([n for k, n in enumerate(lengths) if k not in errors], out=offsets[1:])
+    if errors and int(offsets[-1]) != flat.shape[0]:  # a bad query held space: close the gaps (rare)
+        flat = np.concatenate([flat[lo:hi] for k, (lo, hi) in enumerate(spans) if k not in errors]
+                              or [np.zeros(0, dtype=np.uint32)])
+        flat.setflags(write=False)
+    offsets.setflags(write=False)
+    return flat, offsets, [errors.get(k) for k in range(len(sources))]
+
+
+def _decode_flat(values: Sequence[Any], field: str, ascii_bytes: bool
+                 ) -> tuple[np.ndarray, list[tuple[int, int]], dict[int, TokenDecodeError]]:
+    """The one decoder behind :func:`decode_b64_many` and :func:`decode_query_tokens`: every
+    value into one read-only uint32 buffer, value ``k`` at ``flat[lo:hi]`` of its span
+    (uint32 arrays copied, base64 decoded in place by the ``nogil`` kernel, one call per
+    string, no join), or an error in ``errors[k]``."""
     from . import _b64 as _kernels  # numba: loaded on the first decode, never by encoders
 
-    encoded: list[bytes] = []
     errors: dict[int, TokenDecodeError] = {}
+    items: list[Any] = []  # per value: a uint32 array, the ASCII text's bytes, or None (error)
+    sizes: list[int] = []  # decoded bytes
     for k, value in enumerate(values):
-        if ascii_bytes and isinstance(value, bytes) and value.isascii():
-            encoded.append(value)
+        if isinstance(value, np.ndarray):
+            arr = value if value.dtype == np.uint32 and value.ndim == 1 else as_tokens(value)
+            items.append(arr)
+            sizes.append(4 * arr.shape[0])
             continue
-        if not isinstance(value, str):
+        if ascii_bytes and (isinstance(value, memoryview) or (isinstance(value, bytes) and value.isascii())):
+            text: Any = value
+        elif not isinstance(value, str):
             errors[k] = TokenDecodeError(field, f"must be a base64 string, got {type(value).__name__}")
-            encoded.append(b"")
+            items.append(None)
+            sizes.append(0)
             continue
-        try:
-            encoded.append(value.encode("ascii"))
-        except UnicodeEncodeError as exc:
-            errors[k] = TokenDecodeError(field, f"not valid standard base64: non-ASCII character at "
-                                                       f"position {exc.start}")
-            encoded.append(b"")
-    starts = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in encoded], out=starts[1:])
-    src = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-    out, out_starts, bad = _kernels.b64decode_many(src, starts, _kernels.B64_TABLE)
-    results: list[np.ndarray | TokenDecodeError] = []
-    for k, value in enumerate(values):
-        if k in errors:
-            results.append(errors[k])
+        else:
+            try:
+                text = value.encode("ascii")
+            except UnicodeEncodeError as exc:
+                errors[k] = TokenDecodeError(field, f"not valid standard base64: non-ASCII character at "
+                                                    f"position {exc.start}")
+                items.append(None)
+                sizes.append(0)
+                continue
+        n = len(text)
+        pad = 2 if text[-2:] == b"==" else 1 if text[-1:] == b"=" else 0
+        items.append(text)
+        sizes.append(n // 4 * 3 - pad if n % 4 == 0 else 0)
+    starts = [0] * (len(values) + 1)
+    for k, size in enumerate(sizes):
+        starts[k + 1] = starts[k] + (size + 3) // 4 * 4  # every value 4-byte aligned
+    out = np.empty(starts[-1], dtype=np.uint8)
+    table = _kernels.B64_TABLE
+    for k, item in enumerate(items):
+        if item is None:
             continue
-        if bad[k] >= 0:
-            text = value.decode("ascii") if isinstance(value, bytes) else value
-            results.append(_b64_error(text, int(bad[k]), field))
+        if isinstance(item, np.ndarray):
+            out[starts[k]:starts[k] + sizes[k]].view("<u4")[:] = item
             continue
-        lo, hi = int(out_starts[k]), int(out_starts[k + 1])
-        if (hi - lo) % 4:
-            results.append(TokenDecodeError(
-                field, f"decoded byte length {hi - lo} is not a multiple of 4 (little-endian uint32 ids)"))
-            continue
-        arr = out[lo:hi].view("<u4")
-        if arr.dtype != np.uint32:  # big-endian host: make it native
-            arr = arr.astype(np.uint32)
-        arr.setflags(write=False)
-        results.append(arr)
-    return results
+        n = len(item)
+        bad = _kernels.decode_segment(np.frombuffer(item, dtype=np.uint8), 0, n, table, out, starts[k]) if n else -1
+        if bad >= 0:
+            errors[k] = _b64_error(bytes(item).decode("ascii"), int(bad), field)
+        elif sizes[k] % 4:
+            errors[k] = TokenDecodeError(
+                field, f"decoded byte length {sizes[k]} is not a multiple of 4 (little-endian uint32 ids)")
+    flat = out.view("<u4")
+    if flat.dtype != np.uint32:  # big-endian host: make it native
+        flat = flat.astype(np.uint32)
+    flat.setflags(write=False)
+    return flat, [(starts[k] // 4, (starts[k] + sizes[k]) // 4) for k in range(len(values))], errors
 
 
 def _b64_error(value: str, pos: int, field: str) -> TokenDecodeError:
@@ -290,8 +341,7 @@ def decode_token_ids(value: Any, field: str = "token_ids") -> np.ndarray:
         if not kinds <= {int}:
             bad = next(v for v in value if type(v) is not int)
             pos = next(i for i, v in enumerate(value) if v is bad)
-            raise TokenDecodeError(
-                "token_ids", f"item {pos} must be an integer token id, got {type(bad).__name__} {bad!r}")
+            raise TokenDecodeError(field, f"item {pos}: token ids must be integers, got {bad!r} ({type(bad).__name__})")
         try:
             arr = np.array(value, dtype=np.int64)
         except OverflowError:
@@ -431,9 +481,6 @@ class TokenArrays:
     def row(self, k: int) -> np.ndarray:
         return self.flat[int(self.starts[k]):int(self.starts[k + 1])]
 
-    def lengths(self) -> list[int]:
-        return np.diff(self.starts).tolist()
-
 
 #: Smallest body worth splitting: below this the ordinary parser is as fast.
 SPLIT_MIN_BYTES = 2048
@@ -442,20 +489,22 @@ SPLIT_MIN_BYTES = 2048
 _JSON_WS = b" \t\n\r"
 
 
-def split_b64_value(body: bytes) -> Optional[tuple[bytes, bytes]]:
+def split_b64_value(body: bytes) -> Optional[tuple[memoryview, bytes]]:
     """Take the ``tokens_b64`` string out of a single-lookup body that opens with it:
-    ``(the string's bytes, the body with the string emptied)``, or None.
+    ``(a memoryview of the string's bytes in body, the body with the string emptied)``, or
+    None.
 
     Why: validating the whole body makes pydantic copy the 43 KB string of an 8,192-token
     query into a Python str (23 us of the event loop, under the GIL, against 1.4 us for the
     body without it), and the decoder then copies it twice more to get bytes back. The
-    bytes taken here go to the decoder as they are.
+    string is not copied here either: the lookup thread's decoder
+    (:func:`decode_query_tokens`) reads it where it lies in the body.
 
     Only the plain case is taken, so the model sees exactly what it would have: the body
     starts with ``{"tokens_b64"`` as its first key (JSON whitespace allowed around ``:``),
     the body has no backslash anywhere (no escape can end the string early, change one of
-    its characters, or spell a second ``tokens_b64`` key differently), the value has only
-    ASCII bytes (so the decoder's error positions are the same in bytes as in characters),
+    its characters, or spell a second ``tokens_b64`` key differently), every byte of the
+    body is ASCII (so the decoder's error positions are the same in bytes as in characters),
     and no second ``"tokens_b64"`` follows (the parser would keep the last one). Emptying a string leaves a string: ``check_one_form`` tells "not given" by
     ``None``, not by emptiness, and the model never reads the content (the decoder checks
     it on the lookup thread). Anything else: None, and the body is validated as sent.
@@ -477,10 +526,9 @@ def split_b64_value(body: bytes) -> Optional[tuple[bytes, bytes]]:
     end = body.find(b'"', start)
     if end < 0:
         return None
-    value = body[start:end]
-    if not value.isascii() or body.find(b'"tokens_b64"', end) >= 0:
+    if not body.isascii() or body.find(b'"tokens_b64"', end) >= 0:
         return None
-    return value, body[:start] + body[end:]
+    return memoryview(body)[start:end], body[:start] + body[end:]
 
 
 def split_token_arrays(body: bytes, *, placeholder: str = "index") -> Optional[TokenArrays]:

@@ -34,8 +34,11 @@ import numpy as np
 
 from blendmatch import __version__
 
-__all__ = ["main", "build_parser", "config_from_args", "uvicorn_tls_kwargs", "read_token_file", "EXIT_DATAERR", "EXIT_NOINPUT",
-           "EXIT_PROTOCOL", "EXIT_UNAVAILABLE"]
+from .flags import (LMCACHE_IGNORED_FLAGS, add_config_flags, add_lmcache_only_flags, config_from_args, flag_help,
+                    flag_name, ignored_flag_warnings)
+
+__all__ = ["main", "build_parser", "config_from_args", "ignored_flag_warnings", "uvicorn_tls_kwargs", "read_token_file",
+           "LMCACHE_IGNORED_FLAGS", "EXIT_DATAERR", "EXIT_NOINPUT", "EXIT_PROTOCOL", "EXIT_UNAVAILABLE"]
 
 _SUBCOMMANDS = ("serve", "lookup", "bench", "loadtest", "openapi", "checkpoint", "access-key")
 
@@ -85,126 +88,14 @@ _LOOKUP_EPILOG = f"""exit status:
   {EXIT_PROTOCOL}  the server answered with an error status or a malformed body"""
 
 
-def _help(text: str, lmcache: str | None = None, default: str = "%(default)s") -> str:
-    """A flag's help: what it does, its default, and its LMCache equivalent if there is one."""
-    where = f"; LMCache: {lmcache}" if lmcache else ""
-    return f"{text} (default: {default}{where})"
+_help = flag_help
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
-    from blendmatch.gpu import ENGINE_NAMES
-
-    from .config import ServiceConfig
-
-    d = ServiceConfig.model_fields
-    coord = "the coordinator's"
-    p.add_argument("--host", default=d["host"].default, help=_help("address to bind", f"{coord} --host"))
-    p.add_argument("--port", type=int, default=d["port"].default, help=_help("TCP port", f"{coord} --port"))
-    p.add_argument("--chunk-size", type=int, default=d["chunk_size"].default,
-                   help=_help("tokens per KV chunk; must equal the MP servers' --chunk-size",
-                              f"{coord} --chunk-size"))
-    p.add_argument("--blend-probe-stride", type=int, default=d["blend_probe_stride"].default,
-                   help=_help("query positions between probes; 1 probes every position, for full recall",
-                              f"{coord} --blend-probe-stride"))
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--enable-blend-lookup", dest="enable_blend_lookup", action="store_true", default=True,
-                   help=_help("index chunk content for blend lookups", f"{coord} --enable-blend-lookup, "
-                              "which is off by default there", default="on"))
-    g.add_argument("--disable-blend-lookup", dest="enable_blend_lookup", action="store_false",
-                   help=_help("do not index content; blend lookups answer no matches",
-                              "the coordinator's default", default="off"))
-    p.add_argument("--engine", choices=ENGINE_NAMES, default=d["engine"].default,
-                   help=_help("probe engine: auto = the GPU if a trial launch succeeds, else the CPU"))
-    p.add_argument("--max-batch-tokens", type=int, default=d["max_batch_tokens"].default,
-                   help=_help("token budget of one engine batch; one request's size disables batching"))
-    p.add_argument("--max-batch-wait-ms", type=float, default=d["max_batch_wait_ms"].default,
-                   help=_help("once a lookup is queued, wait up to this long for more; 0 = batch "
-                              "whatever is queued when the engine is free"))
-    p.add_argument("--max-request-tokens", type=int, default=d["max_request_tokens"].default,
-                   help=_help("most tokens one request may carry (a batch: the sum); more is a 413"))
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help=_help("largest request body; more is a 413",
-                              default="16 bytes per --max-request-tokens token + 1 MiB"))
-    p.add_argument("--engine-threads", type=int, default=None,
-                   help=_help("threads of the CPU engine's parallel probe",
-                              default="CPUs - 1, at least 1: the event loop keeps a core"))
-    p.add_argument("--log-level", default=d["log_level"].default,
-                   choices=("critical", "error", "warning", "info", "debug"),
-                   help=_help("log level", "the LMCACHE_LOG_LEVEL environment variable"))
-    p.add_argument("--access-log", action="store_true",
-                   help=_help("log every request (costs CPU at high request rates)", default="off"))
-
-    p.add_argument("--health-check-interval", type=float, default=d["health_check_interval"].default,
-                   help=_help("seconds between sweeps that expire silent instances; 0 disables",
-                              f"{coord} --health-check-interval"))
-    p.add_argument("--instance-timeout", type=float, default=d["instance_timeout"].default,
-                   help=_help("seconds without a heartbeat after which an instance expires and its L1 "
-                              "placements are fenced", f"{coord} --instance-timeout"))
-    p.add_argument("--timeout-keep-alive", type=float, default=d["timeout_keep_alive"].default,
-                   help=_help("seconds idle HTTP connections stay open; keep it above the servers' heartbeat "
-                              "interval (5 s)", f"{coord} --timeout-keep-alive"))
-    a = p.add_argument_group("access and TLS (docs/security.md)")
-    a.add_argument("--access-file", default=None, metavar="FILE",
-                   help=_help("TOML access file: hashed API keys and CIDR allowlists per role (producer, reader, "
-                              "admin, metrics); reloaded on SIGHUP. Without it: protected mode, only loopback "
-                              "peers are served", default="none: protected mode"))
-    a.add_argument("--ssl-certfile", default=None, metavar="PEM",
-                   help=_help("serve HTTPS with this certificate", default="plain HTTP"))
-    a.add_argument("--ssl-keyfile", default=None, metavar="PEM", help=_help("the certificate's private key",
-                                                                          default="none"))
-    a.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
-                   help=_help("require client certificates signed by these CAs (mutual TLS)", default="none"))
-    g = p.add_argument_group("in front of an LMCache coordinator (docs/lmcache.md)")
-    g.add_argument("--upstream-coordinator", metavar="URL", default=d["upstream_coordinator"].default,
-                   help=_help("an existing LMCache coordinator to run in front of: endpoints not served here "
-                              "(quotas, pins, prefetch, eviction) are proxied to it, events and registry calls "
-                              "are applied here and forwarded to it; lookups never wait on it", default="none"))
-    g.add_argument("--upstream-timeout", type=float, default=d["upstream_timeout"].default,
-                   help=_help("seconds one call to the upstream may take in all; a proxied call past it is a 504"))
-    g.add_argument("--upstream-connect-timeout", type=float, default=d["upstream_connect_timeout"].default,
-                   help=_help("seconds to connect to the upstream; an unreachable upstream is a 502"))
-    g.add_argument("--upstream-queue-size", type=int, default=d["upstream_queue_size"].default,
-                   help=_help("forwards waiting for the upstream; when full the oldest is dropped and counted"))
-    g.add_argument("--upstream-queue-bytes", type=int, default=d["upstream_queue_bytes"].default,
-                   help=_help("body bytes of the forwards waiting for the upstream; past it the oldest are "
-                              "dropped and counted", default="256 MiB"))
-    g = p.add_argument_group("durability (docs/operations.md)")
-    g.add_argument("--checkpoint-path", default=d["checkpoint_path"].default,
-                   help=_help("checkpoint file, restored at start and written periodically and on a clean "
-                              "stop; empty = off", f"{coord} --checkpoint-path", default="off"))
-    g.add_argument("--checkpoint-interval", type=float, default=d["checkpoint_interval"].default,
-                   help=_help("seconds between checkpoints; 0 = only on a clean stop", f"{coord} --checkpoint-interval"))
-    g.add_argument("--require-checkpoint", action="store_true",
-                   help=_help("exit non-zero instead of starting cold when the checkpoint is missing, corrupt "
-                              "or of an unknown version", default="off"))
-    g.add_argument("--graceful-timeout", type=float, default=d["graceful_timeout"].default,
-                   help=_help("seconds a SIGTERM/SIGINT stop may take: drain, final checkpoint"))
-    g.add_argument("--max-ready-lag", type=int, default=d["max_ready_lag"].default,
-                   help=_help("with events from a log: /readyz answers 503 while the lag exceeds this many records"))
-    g.add_argument("--refuse-lookups-until-ready", action="store_true",
-                   help=_help("answer lookups 503 until /readyz first says ready, instead of from a partly restored "
-                              "or caught-up index (on for --workers children: the kernel cannot route by readiness)",
-                              default="off"))
-    g = p.add_argument_group("fleet transport (docs/fleet.md)")
-    g.add_argument("--event-transport", choices=("http", "kafka"), default=d["event_transport"].default,
-                   help=_help("http: POST /events applies here; kafka: follow the topic, and POST /events and the "
-                              "registry calls append to it", f"{coord} --event-transport"))
-    g.add_argument("--kafka-bootstrap-servers", default=d["kafka_bootstrap_servers"].default,
-                   help=_help("Kafka brokers, host:port[,host:port]; required with --event-transport kafka",
-                              f"{coord} --kafka-bootstrap-servers", default="none"))
-    g.add_argument("--kafka-topic", default=d["kafka_topic"].default,
-                   help=_help("cache-event topic; must match the MP servers' --coordinator-kafka-topic",
-                              f"{coord} --kafka-topic"))
-    g.add_argument("--kafka-group-id", default=d["kafka_group_id"].default,
-                   help=_help("prefix of this replica's offset-commit group (<id>-<replica id>) and of the "
-                              "reaper-role group (<id>-reaper)", f"{coord} --kafka-group-id"))
-    g.add_argument("--replica-id", default=d["replica_id"].default,
-                   help=_help("this replica's name; keep it stable across restarts (a StatefulSet pod name)",
-                              default="the host name"))
-    g.add_argument("--kafka-reaper-topic", default=d["kafka_reaper_topic"].default,
-                   help=_help("one-partition topic whose owner holds the reaper role", default="<topic>-reaper"))
-    g.add_argument("--kafka-session-timeout-ms", type=int, default=d["kafka_session_timeout_ms"].default,
-                   help=_help("the reaper role moves this long after its holder died"))
+    """``serve``'s flags: one per ``ServiceConfig`` field (``service/flags.py``), then the
+    process flags, which are the supervisor's and not service settings."""
+    add_config_flags(p)
+    g = p.add_argument_group("worker processes (docs/fleet.md)")
     g.add_argument("--workers", type=int, default=1,
                    help=_help("replica processes sharing --port (SO_REUSEPORT), each following the topic: "
                               "needs --event-transport kafka; replica ids <id>-w<i>, checkpoints <path>.w<i>"))
@@ -213,68 +104,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                               "scrapes and readiness probes can reach each worker (0: off)", default="off"))
     g.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on --workers children
     g.add_argument("--own-port", type=int, default=0, help=argparse.SUPPRESS)  # a child's --worker-ports-from port
-    _add_issue23_flags(p)
 
 
-# issue 23 flags: the HTTP limits (service/limits.py). Drop this block when the flags are
-# generated from ServiceConfig; the names, types and help come from the fields already.
-_ISSUE23_FIELDS = ("max_header_bytes", "header_timeout", "body_timeout", "max_connections", "max_bytes_in_flight")
-
-
-def _add_issue23_flags(p: argparse.ArgumentParser) -> None:
-    from .config import ServiceConfig
-
-    g = p.add_argument_group("HTTP limits (docs/security.md)")
-    for name in _ISSUE23_FIELDS:
-        field = ServiceConfig.model_fields[name]
-        g.add_argument("--" + name.replace("_", "-"), type=type(field.default), default=field.default,
-                       help=_help(field.description or name))
-
-
-def _issue23_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {n: getattr(args, n) for n in _ISSUE23_FIELDS if getattr(args, n, None) is not None}
-
-
-#: LMCache 0.5.6 coordinator flags that mean nothing here: accepted (so that an existing
-#: launch command works unchanged) and answered with one warning line each at start-up.
-#: ``(flag, argparse kwargs, why it is ignored)``.
-LMCACHE_IGNORED_FLAGS: tuple[tuple[str, dict, str], ...] = (
-    ("--eviction-check-interval", {"type": float}, "blendmatch runs no L2 eviction controller"),
-    ("--eviction-ratio", {"type": float}, "blendmatch runs no L2 eviction controller"),
-    ("--trigger-watermark", {"type": float}, "blendmatch runs no L2 eviction controller"),
-    ("--hash-algorithm", {}, "blendmatch has no token hasher (pins and the token form of /directory/lookup "
-                             "are not served here)"),
-    ("--extra-config", {}, "blendmatch loads no out-of-tree controllers (run in front of an LMCache coordinator "
-                           "with --upstream-coordinator to keep them)"),
-    ("--metadata-path", {}, "blendmatch keeps no pins or quotas (--upstream-coordinator proxies them to an LMCache "
-                            "coordinator)"),
-    ("--disable-metrics", {"action": "store_true"}, "blendmatch serves Prometheus metrics at /metrics"),
-    ("--otlp-endpoint", {}, "blendmatch serves Prometheus metrics at /metrics (no OTLP push)"),
-)
-
-
-def _add_lmcache_only_flags(p: argparse.ArgumentParser) -> None:
-    """Accept every LMCache coordinator flag this build gives no meaning. A flag that some
-    other part of blendmatch already defines (with a meaning) is left to that definition."""
-    for flag, kwargs, why in LMCACHE_IGNORED_FLAGS:
-        try:
-            p.add_argument(flag, default=None, help=f"accepted for LMCache compatibility and ignored: {why}",
-                           **kwargs)
-        except argparse.ArgumentError:
-            continue  # defined elsewhere, with a meaning
-
-
-def ignored_flag_warnings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
-    """One line per LMCache-only flag given on the command line (see LMCACHE_IGNORED_FLAGS)."""
-    out = []
-    for flag, _, why in LMCACHE_IGNORED_FLAGS:
-        action = parser._option_string_actions.get(flag)  # noqa: SLF001 - argparse's one index of flags
-        if action is None or not action.help or not action.help.startswith("accepted for LMCache"):
-            continue
-        value = getattr(args, action.dest, None)
-        if value not in (None, False):
-            out.append(f"{flag} is accepted for LMCache compatibility and ignored: {why}")
-    return out
+_add_lmcache_only_flags = add_lmcache_only_flags
 
 
 def _positive_int(text: str) -> int:
@@ -361,41 +193,6 @@ def _access_key(argv: Sequence[str]) -> int:
     return 0
 
 
-#: ``serve`` parks what event ingestion built in the collector's permanent generation after
-#: every 64 MiB of event bodies (~35k stored 256-token entries): see ``ServiceContext``.
-GC_FREEZE_INGEST_BYTES = 64 << 20
-
-
-def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
-    """The ``ServiceConfig`` the parsed ``serve`` flags describe (raises ValidationError)."""
-    from .config import ServiceConfig
-
-    return ServiceConfig(
-        host=args.host, port=args.port, chunk_size=args.chunk_size, blend_probe_stride=args.blend_probe_stride,
-        enable_blend_lookup=args.enable_blend_lookup, engine=args.engine, max_batch_tokens=args.max_batch_tokens,
-        max_batch_wait_ms=args.max_batch_wait_ms, max_request_tokens=args.max_request_tokens,
-        max_body_bytes=args.max_body_bytes, engine_threads=args.engine_threads, log_level=args.log_level,
-        gc_freeze_ingest_bytes=GC_FREEZE_INGEST_BYTES,
-        health_check_interval=args.health_check_interval, instance_timeout=args.instance_timeout,
-        timeout_keep_alive=args.timeout_keep_alive,
-        checkpoint_path=args.checkpoint_path,
-        checkpoint_interval=args.checkpoint_interval, require_checkpoint=args.require_checkpoint,
-        graceful_timeout=args.graceful_timeout, max_ready_lag=args.max_ready_lag,
-        refuse_lookups_until_ready=args.refuse_lookups_until_ready,
-        upstream_coordinator=_with_scheme(args.upstream_coordinator), upstream_timeout=args.upstream_timeout,
-        upstream_connect_timeout=args.upstream_connect_timeout, upstream_queue_size=args.upstream_queue_size,
-        upstream_queue_bytes=args.upstream_queue_bytes,
-        access_file=args.access_file, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        ssl_ca_certs=args.ssl_ca_certs, **_fleet_args(args), **_issue23_args(args),
-    )
-
-
-def _with_scheme(url: str) -> str:
-    """``host:port`` -> ``http://host:port`` (as ``lookup --url``); empty stays empty."""
-    url = url.strip()
-    return url if not url or "://" in url else f"http://{url}"
-
-
 def uvicorn_tls_kwargs(config) -> dict[str, object]:  # config: ServiceConfig
     """uvicorn's TLS arguments for ``config`` (empty: plain HTTP). With ``ssl_ca_certs`` a
     client certificate signed by those CAs is required (``CERT_REQUIRED``)."""
@@ -409,13 +206,6 @@ def uvicorn_tls_kwargs(config) -> dict[str, object]:  # config: ServiceConfig
     return kw
 
 
-def _fleet_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The fleet-transport fields (absent on parsers built without those flags)."""
-    names = ("event_transport", "kafka_bootstrap_servers", "kafka_topic", "kafka_group_id", "replica_id",
-             "kafka_reaper_topic", "kafka_session_timeout_ms")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
-
 def _serve(argv: Sequence[str]) -> int:
     from pydantic import ValidationError
 
@@ -427,7 +217,7 @@ def _serve(argv: Sequence[str]) -> int:
     try:
         config = config_from_args(args)
     except ValidationError as exc:
-        problems = "; ".join((f"--{'-'.join(str(x) for x in e['loc']).replace('_', '-')}: " if e["loc"] else "")
+        problems = "; ".join((f"{flag_name('_'.join(str(x) for x in e['loc']))}: " if e["loc"] else "")
                              + e["msg"] for e in exc.errors())
         parser.error(problems)
     if args.workers < 1:
@@ -495,7 +285,7 @@ def _serve(argv: Sequence[str]) -> int:
     # proxy_headers=False: the peer address that the allowlists check is the socket's, never a
     # header a client could write.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                               access_log=args.access_log, proxy_headers=False, **uvicorn_tls_kwargs(config),
+                               access_log=config.access_log, proxy_headers=False, **uvicorn_tls_kwargs(config),
                                http=limits.protocol_class,
                                timeout_graceful_shutdown=max(1, int(config.graceful_timeout / 2)),
                                timeout_keep_alive=int(config.timeout_keep_alive) if config.timeout_keep_alive.is_integer()
@@ -605,16 +395,16 @@ class TokenFileError(ValueError):
 
 def read_token_file(path: str) -> np.ndarray:
     """The token ids in ``path`` (JSON list, ``.npy`` 1-D integer array, ``-`` = JSON on stdin)
-    as uint32. Raises ``OSError`` when it cannot be read, :class:`TokenFileError` when its
-    content is not token ids (the message names what is wrong)."""
+    as a read-only uint32 array. Raises ``OSError`` when it cannot be read,
+    :class:`TokenFileError` when its content is not token ids (the message names what is
+    wrong). The file format is this function's; what a token id is, ``index/tokens.py``'s."""
+    from blendmatch.index.tokens import TokenDecodeError, decode_token_ids
+
     if path != "-" and path.endswith(".npy"):
         try:
-            arr = np.load(path, allow_pickle=False)
+            values: Any = np.load(path, allow_pickle=False)
         except (ValueError, EOFError) as exc:  # not an .npy file, truncated, or object dtype
             raise TokenFileError(f"not a readable .npy array: {exc}") from None
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise TokenFileError(f"expected a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-        values: Any = arr
     else:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8", errors="strict")
         try:
@@ -623,14 +413,10 @@ def read_token_file(path: str) -> np.ndarray:
             raise TokenFileError(f"not JSON: {exc}") from None
         if not isinstance(values, list):
             raise TokenFileError(f"expected a JSON list of token ids, got a JSON {type(values).__name__}")
-        bad = next((v for v in values if type(v) is not int), None)
-        if bad is not None:
-            raise TokenFileError(f"token ids must be integers, got {bad!r}")
-    if len(values):
-        lo, hi = int(min(values)), int(max(values))
-        if lo < 0 or hi > 0xFFFFFFFF:
-            raise TokenFileError(f"token ids must be in 0..{0xFFFFFFFF}, got {lo if lo < 0 else hi}")
-    return np.asarray(values, dtype=np.uint32)
+    try:
+        return decode_token_ids(values, field="")
+    except TokenDecodeError as exc:
+        raise TokenFileError(str(exc)) from None
 
 
 def _fail(prog: str, code: int, message: str) -> int:

@@ -28,6 +28,16 @@ Limits and why they exist:
 - ``max_batch_wait_ms`` (default 0) is how long the batcher may wait for more requests once
   it has one: 0 means "take whatever is queued when the engine becomes free", which already
   forms large batches under load and adds no latency when idle.
+- ``gc_freeze_ingest_bytes`` (default 64 MiB, about 35k stored 256-token entries; 0: never):
+  after that many bytes of event bodies the service moves the live objects into the
+  collector's permanent generation, so that full collections stop walking the directory
+  (docs/service.md). One default for ``serve`` and for an app built in-process.
+
+- ``max_header_bytes``, ``header_timeout``, ``body_timeout``, ``max_connections`` and
+  ``max_bytes_in_flight`` bound what hostile or broken clients can hold: see
+  ``service/limits.py`` and docs/security.md.
+
+Each field is also a ``serve`` flag: see the class docstring and ``service/flags.py``.
 """
 
 from __future__ import annotations
@@ -50,110 +60,182 @@ BODY_BYTES_PER_TOKEN = 16
 #: Fixed allowance for the JSON envelope (field names, namespaces, keys of event entries).
 BODY_SLACK_BYTES = 1 << 20
 
+# ``serve --help`` sections (``group`` of a field's ``json_schema_extra``).
+_ACCESS = "access and TLS (docs/security.md)"
+_UPSTREAM = "in front of an LMCache coordinator (docs/lmcache.md)"
+_DURABILITY = "durability (docs/operations.md)"
+_FLEET = "fleet transport (docs/fleet.md)"
+_LIMITS = "HTTP limits, enforced while reading (docs/security.md)"
+
 
 class ServiceConfig(BaseModel):
-    """Everything ``blendmatch serve`` can be told. Immutable; see the module docstring."""
+    """Everything ``blendmatch serve`` can be told. Immutable; see the module docstring.
+
+    Each field is also its ``serve`` flag (``--field-name``; ``service/flags.py`` builds the
+    parser from these definitions): ``description`` is the help text, the default is the
+    flag's, and ``json_schema_extra`` may add ``lmcache`` (the LMCache equivalent; a value
+    starting with ``--`` names the coordinator's flag), ``shown`` (the default as the help
+    states it, when the value alone says little), ``group`` (the help section), ``metavar``,
+    ``off`` (for a default-on bool: the help of its ``--disable-...`` twin) and
+    ``flag: False`` (no flag). A new setting is a new field: its flag follows.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host: str = "0.0.0.0"
-    port: int = Field(default=9300, ge=0, le=65535)
-    chunk_size: int = Field(default=256, ge=1, description="tokens per KV chunk (the match window)")
-    blend_probe_stride: int = Field(default=1, ge=1, description="query positions between probes")
-    enable_blend_lookup: bool = Field(default=True, description="index chunk content for blend lookups")
-    engine: EngineName = "auto"
-    max_batch_tokens: int = Field(default=1 << 18, ge=1, description="token budget of one engine batch")
-    max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
-    max_request_tokens: int = Field(default=DEFAULT_MAX_REQUEST_TOKENS, ge=1)
-    max_body_bytes: int | None = Field(default=None, ge=1024, description="None: derived from max_request_tokens")
-    engine_threads: int | None = Field(default=None, ge=1,
-                                       description="CPU engine threads; None: one less than the CPUs (min 1)")
-    log_level: LogLevel = "info"
+    host: str = Field(default="0.0.0.0", description="address to bind", json_schema_extra={"lmcache": "--host"})
+    port: int = Field(default=9300, ge=0, le=65535, description="TCP port", json_schema_extra={"lmcache": "--port"})
+    chunk_size: int = Field(default=256, ge=1,
+                            description="tokens per KV chunk (the match window); must equal the MP servers' "
+                                        "--chunk-size", json_schema_extra={"lmcache": "--chunk-size"})
+    blend_probe_stride: int = Field(default=1, ge=1,
+                                    description="query positions between probes; 1 probes every position, for "
+                                                "full recall", json_schema_extra={"lmcache": "--blend-probe-stride"})
+    enable_blend_lookup: bool = Field(
+        default=True, description="index chunk content for blend lookups",
+        json_schema_extra={"lmcache": "--enable-blend-lookup, which is off by default there",
+                           "off": "do not index content; blend lookups answer no matches",
+                           "off_lmcache": "the coordinator's default"})
+    engine: EngineName = Field(default="auto", description="probe engine: auto = the GPU if a trial launch "
+                                                           "succeeds, else the CPU")
+    max_batch_tokens: int = Field(default=1 << 18, ge=1, description="token budget of one engine batch; one "
+                                                                     "request's size disables batching")
+    max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0,
+                                     description="once a lookup is queued, wait up to this long for more; 0 = "
+                                                 "batch whatever is queued when the engine is free")
+    max_request_tokens: int = Field(default=DEFAULT_MAX_REQUEST_TOKENS, ge=1,
+                                    description="most tokens one request may carry (a batch: the sum); more is a 413")
+    max_body_bytes: int | None = Field(default=None, ge=1024, description="largest request body; more is a 413",
+                                       json_schema_extra={"shown": "16 bytes per --max-request-tokens token + 1 MiB"})
+    engine_threads: int | None = Field(default=None, ge=1, description="threads of the CPU engine's parallel probe",
+                                       json_schema_extra={"shown": "CPUs - 1, at least 1: the event loop keeps a core"})
+    log_level: LogLevel = Field(default="info", description="log level",
+                                json_schema_extra={"lmcache": "the LMCACHE_LOG_LEVEL environment variable"})
+    access_log: bool = Field(default=False, description="log every request (costs CPU at high request rates)")
     health_check_interval: float = Field(
-        default=10.0, ge=0.0,
-        description="seconds between registry sweeps that expire silent instances; 0 disables the reaper")
+        default=10.0, ge=0.0, description="seconds between sweeps that expire silent instances; 0 disables",
+        json_schema_extra={"lmcache": "--health-check-interval"})
     instance_timeout: float = Field(
-        default=30.0, gt=0.0, description="seconds without a heartbeat after which an instance expires")
+        default=30.0, gt=0.0, description="seconds without a heartbeat after which an instance expires and its L1 "
+                                          "placements are fenced", json_schema_extra={"lmcache": "--instance-timeout"})
     timeout_keep_alive: float = Field(
         default=10.0, gt=0.0,
-        description="seconds an idle HTTP connection stays open; must exceed the servers' heartbeat interval "
-                    "(LMCache: 5 s), or heartbeats race the server closing the connection")
+        description="seconds idle HTTP connections stay open; keep it above the servers' heartbeat interval (5 s), "
+                    "or heartbeats race the server closing the connection",
+        json_schema_extra={"lmcache": "--timeout-keep-alive"})
+    gc_freeze_ingest_bytes: int = Field(
+        default=64 << 20, ge=0,
+        description="after this many bytes of POST /events bodies, move the live objects into the collector's "
+                    "permanent generation (about 35k stored 256-token entries per 64 MiB); 0 = never",
+        json_schema_extra={"shown": "64 MiB"})
+
+    # access and TLS (service/access.py, docs/security.md)
     access_file: str | None = Field(
         default=None,
-        description="TOML access file (API keys, CIDR allowlists per role; docs/security.md). None: protected "
-                    "mode, only loopback peers are served")
-    ssl_certfile: str | None = Field(default=None, description="serve HTTPS with this certificate (PEM)")
-    ssl_keyfile: str | None = Field(default=None, description="private key of ssl_certfile (PEM)")
+        description="TOML access file: hashed API keys and CIDR allowlists per role (producer, reader, admin, "
+                    "metrics); reloaded on SIGHUP. Without it: protected mode, only loopback peers are served",
+        json_schema_extra={"shown": "none: protected mode", "group": _ACCESS, "metavar": "FILE"})
+    ssl_certfile: str | None = Field(default=None, description="serve HTTPS with this certificate",
+                                     json_schema_extra={"shown": "plain HTTP", "group": _ACCESS, "metavar": "PEM"})
+    ssl_keyfile: str | None = Field(default=None, description="the certificate's private key",
+                                    json_schema_extra={"shown": "none", "group": _ACCESS, "metavar": "PEM"})
     ssl_ca_certs: str | None = Field(default=None,
-                                     description="require client certificates signed by these CAs (PEM)")
-    gc_freeze_ingest_bytes: int = Field(
-        default=0, ge=0,
-        description="after this many bytes of POST /events bodies, move the live objects into the "
-                    "collector's permanent generation (0: never; `blendmatch serve` uses 64 MiB)")
-
-    # HTTP limits enforced while reading (service/limits.py, docs/security.md)
-    max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20,
-                                  description="bytes of one request's line and headers; over it: 431")
-    header_timeout: float = Field(default=10.0, gt=0.0, le=300.0,
-                                  description="seconds to receive a request's headers, from connect or its first "
-                                              "byte; over it: 408 (a connection that sent nothing is closed)")
-    body_timeout: float = Field(default=30.0, gt=0.0, le=3600.0,
-                                description="seconds to receive a request's whole body after its headers; over it: "
-                                            "408")
-    max_connections: int = Field(default=1000, ge=1,
-                                 description="open HTTP connections; one more is answered 503 and closed")
-    max_bytes_in_flight: int = Field(default=256 << 20, ge=1 << 16,
-                                     description="request body bytes held for unanswered requests plus response "
-                                                 "bytes not yet read by clients, over all connections; over it: 503 "
-                                                 "and close (a connection not reading its responses is aborted)")
-
-    # durability (service/durability.py); LMCache 0.5.6's names and defaults for the first two
-    checkpoint_path: str = Field(default="", description="checkpoint file; empty: no checkpoints")
-    checkpoint_interval: float = Field(default=60.0, ge=0.0,
-                                       description="seconds between checkpoints; 0: only on a clean stop")
-    require_checkpoint: bool = Field(default=False, description="exit non-zero instead of a cold start when the "
-                                                                "checkpoint is missing, corrupt or of another version")
-    graceful_timeout: float = Field(default=30.0, gt=0.0,
-                                    description="seconds a SIGTERM/SIGINT stop may take (drain, final checkpoint)")
-    max_ready_lag: int = Field(default=1000, ge=0,
-                               description="with events from a log: /readyz is 503 while the lag exceeds this")
-    refuse_lookups_until_ready: bool = Field(
-        default=False, description="answer lookups 503 until /readyz first says ready (the restore is done and the "
-                                   "log caught up); set for --workers children, which no Service routes by readiness")
+                                     description="require client certificates signed by these CAs (mutual TLS)",
+                                     json_schema_extra={"shown": "none", "group": _ACCESS, "metavar": "PEM"})
 
     # running in front of an existing LMCache coordinator (service/upstream.py)
     upstream_coordinator: str = Field(
-        default="", description="URL of an LMCache coordinator to proxy unknown endpoints to and to forward "
-                                "events and registry calls to; empty: none")
+        default="", description="an existing LMCache coordinator to run in front of (http:// is assumed without "
+                                "a scheme): endpoints not served here (quotas, pins, prefetch, eviction) are "
+                                "proxied to it, events and registry calls are applied here and forwarded to it; "
+                                "lookups never wait on it",
+        json_schema_extra={"shown": "none", "group": _UPSTREAM, "metavar": "URL"})
     upstream_timeout: float = Field(default=5.0, gt=0.0,
-                                    description="seconds one call to the upstream coordinator may take in all")
-    upstream_connect_timeout: float = Field(default=2.0, gt=0.0,
-                                            description="seconds to connect to the upstream coordinator")
+                                    description="seconds one call to the upstream may take in all; a proxied call "
+                                                "past it is a 504", json_schema_extra={"group": _UPSTREAM})
+    upstream_connect_timeout: float = Field(
+        default=2.0, gt=0.0, description="seconds to connect to the upstream; an unreachable upstream is a 502",
+        json_schema_extra={"group": _UPSTREAM})
     upstream_queue_size: int = Field(default=10_000, ge=1,
-                                     description="forwards waiting for the upstream; when full the oldest is dropped")
+                                     description="forwards waiting for the upstream; when full the oldest is "
+                                                 "dropped and counted", json_schema_extra={"group": _UPSTREAM})
     upstream_queue_bytes: int = Field(default=256 << 20, ge=1,
-                                      description="body bytes of the forwards waiting for the upstream; past it "
-                                                  "the oldest are dropped")
+                                      description="body bytes of the forwards waiting for the upstream; past it the "
+                                                  "oldest are dropped and counted",
+                                      json_schema_extra={"shown": "256 MiB", "group": _UPSTREAM})
+
+    # HTTP limits enforced while reading (service/limits.py, docs/security.md)
+    max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20,
+                                  description="bytes of one request's line and headers; more is a 431",
+                                  json_schema_extra={"group": _LIMITS, "shown": "64 KiB"})
+    header_timeout: float = Field(default=10.0, gt=0.0, le=300.0,
+                                  description="seconds to receive a request's headers, from connect or its first "
+                                              "byte; then a 408 (a connection that sent nothing is closed)",
+                                  json_schema_extra={"group": _LIMITS})
+    body_timeout: float = Field(default=30.0, gt=0.0, le=3600.0,
+                                description="seconds to receive a request's whole body after its headers; then a 408",
+                                json_schema_extra={"group": _LIMITS})
+    max_connections: int = Field(default=1000, ge=1,
+                                 description="open HTTP connections; one more is answered 503 and closed",
+                                 json_schema_extra={"group": _LIMITS})
+    max_bytes_in_flight: int = Field(default=256 << 20, ge=1 << 16,
+                                     description="request body bytes held for unanswered requests plus response "
+                                                 "bytes not yet read by clients, over all connections; more is a 503 "
+                                                 "and close (a connection not reading its responses is aborted)",
+                                     json_schema_extra={"group": _LIMITS, "shown": "256 MiB"})
+
+    # durability (service/durability.py); LMCache 0.5.6's names and defaults for the first two
+    checkpoint_path: str = Field(default="", description="checkpoint file, restored at start and written "
+                                                         "periodically and on a clean stop; empty = off",
+                                 json_schema_extra={"lmcache": "--checkpoint-path", "shown": "off",
+                                                    "group": _DURABILITY})
+    checkpoint_interval: float = Field(default=60.0, ge=0.0,
+                                       description="seconds between checkpoints; 0 = only on a clean stop",
+                                       json_schema_extra={"lmcache": "--checkpoint-interval", "group": _DURABILITY})
+    require_checkpoint: bool = Field(default=False, description="exit non-zero instead of starting cold when the "
+                                                                "checkpoint is missing, corrupt or of an unknown "
+                                                                "version", json_schema_extra={"group": _DURABILITY})
+    graceful_timeout: float = Field(default=30.0, gt=0.0,
+                                    description="seconds a SIGTERM/SIGINT stop may take: drain, final checkpoint",
+                                    json_schema_extra={"group": _DURABILITY})
+    max_ready_lag: int = Field(default=1000, ge=0,
+                               description="with events from a log: /readyz answers 503 while the lag exceeds this "
+                                           "many records", json_schema_extra={"group": _DURABILITY})
+    refuse_lookups_until_ready: bool = Field(
+        default=False, description="answer lookups 503 until /readyz first says ready, instead of from a partly "
+                                   "restored or caught-up index (on for --workers children: the kernel cannot route "
+                                   "by readiness)", json_schema_extra={"group": _DURABILITY})
 
     # event transport (service/sources/kafka.py, docs/fleet.md); LMCache 0.5.6's names and
     # defaults for the first four
     event_transport: Literal["http", "kafka"] = Field(
-        default="http", description="http: POST /events applies; kafka: follow the topic (POST /events appends)")
-    kafka_bootstrap_servers: str = Field(default="", description="required with event_transport kafka")
-    kafka_topic: str = Field(default="lmcache-cache-events", min_length=1)
+        default="http", description="http: POST /events applies here; kafka: follow the topic, and POST /events "
+                                    "and the registry calls append to it",
+        json_schema_extra={"lmcache": "--event-transport", "group": _FLEET})
+    kafka_bootstrap_servers: str = Field(
+        default="", description="Kafka brokers, host:port[,host:port]; required with --event-transport kafka",
+        json_schema_extra={"lmcache": "--kafka-bootstrap-servers", "shown": "none", "group": _FLEET})
+    kafka_topic: str = Field(default="lmcache-cache-events", min_length=1,
+                             description="cache-event topic; must match the MP servers' --coordinator-kafka-topic",
+                             json_schema_extra={"lmcache": "--kafka-topic", "group": _FLEET})
     kafka_group_id: str = Field(default="lmcache-coordinator", min_length=1,
-                                description="prefix: offsets are committed under <group>-<replica id>, and "
-                                            "the reaper role is held in <group>-reaper")
-    replica_id: str = Field(default="", description="this replica's name in the fleet; empty: the host name")
-    kafka_reaper_topic: str = Field(default="", description="one-partition topic whose owner holds the reaper "
-                                                            "role; empty: <topic>-reaper")
+                                description="prefix of this replica's offset-commit group (<id>-<replica id>) and "
+                                            "of the reaper-role group (<id>-reaper)",
+                                json_schema_extra={"lmcache": "--kafka-group-id", "group": _FLEET})
+    replica_id: str = Field(default="", description="this replica's name; keep it stable across restarts (a "
+                                                    "StatefulSet pod name)",
+                            json_schema_extra={"shown": "the host name", "group": _FLEET})
+    kafka_reaper_topic: str = Field(default="", description="one-partition topic whose owner holds the reaper role",
+                                    json_schema_extra={"shown": "<topic>-reaper", "group": _FLEET})
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000, le=300_000,
-                                          description="the reaper role moves this long after its holder died")
+                                          description="the reaper role moves this long after its holder died",
+                                          json_schema_extra={"group": _FLEET})
 
     @field_validator("upstream_coordinator")
     @classmethod
     def _check_upstream(cls, url: str) -> str:
         url = url.strip()
+        if url and "://" not in url:
+            url = f"http://{url}"  # host:port, as ``blendmatch lookup --url`` takes it
         if url and not url.startswith(("http://", "https://")):
             raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
         return url.rstrip("/")

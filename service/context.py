@@ -38,7 +38,8 @@ from fastapi import Depends, Request
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
-from blendmatch.index.tokens import TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count, decode_b64_many
+from blendmatch.index.tokens import (TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count,
+                                     decode_b64_many, decode_query_tokens, is_b64_source)
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
 from .batcher import MicroBatcher
@@ -55,7 +56,7 @@ log = logging.getLogger("blendmatch.service")
 #: One lookup as the batcher carries it: (uint32 tokens, or a ``tokens_b64`` string, or that
 #: string's ASCII bytes as the fast path takes them out of the body, which the lookup thread
 #: decodes with the rest of its batch; namespace).
-LookupQuery = tuple["np.ndarray | str | bytes", BlendNamespace]
+LookupQuery = tuple["np.ndarray | str | bytes | memoryview", BlendNamespace]
 
 T = TypeVar("T")
 
@@ -65,7 +66,7 @@ _EMPTY_MATCHES = b'{"matches":[]}'
 def query_tokens(query: LookupQuery) -> int:
     """Tokens in a query (for a ``tokens_b64`` string: from its length, exact when valid)."""
     source = query[0]
-    return b64_token_count(source) if isinstance(source, (str, bytes)) else int(source.shape[0])
+    return b64_token_count(source) if is_b64_source(source) else int(source.shape[0])
 
 
 def _init_lookup_thread(threads: int) -> None:
@@ -81,7 +82,7 @@ def _init_lookup_thread(threads: int) -> None:
 def _decode_errors(queries: list[LookupQuery]) -> list[TokenDecodeError | None]:
     """Per query: None, or why its ``tokens_b64`` does not decode (used when blend lookup is
     disabled, so that bad input is still a 422)."""
-    strings = [(i, q[0]) for i, q in enumerate(queries) if isinstance(q[0], (str, bytes))]
+    strings = [(i, q[0]) for i, q in enumerate(queries) if is_b64_source(q[0])]
     errors: list[TokenDecodeError | None] = [None] * len(queries)
     for (i, _), got in zip(strings, decode_b64_many([v for _, v in strings], ascii_bytes=True), strict=True):
         if isinstance(got, TokenDecodeError):
@@ -322,18 +323,12 @@ class ServiceContext:
         if index is None:  # cannot happen: lookups short-circuit when disabled
             return [_EMPTY_MATCHES] * len(queries)
         out: list[bytes | BaseException] = [_EMPTY_MATCHES] * len(queries)
-        pending = [i for i, q in enumerate(queries) if isinstance(q[0], (str, bytes))]
-        decoded: dict[int, np.ndarray] = {}
-        if pending:
-            strings = [queries[i][0] for i in pending]
-            for i, got in zip(pending, decode_b64_many(strings, ascii_bytes=True), strict=True):
-                if isinstance(got, TokenDecodeError):
-                    out[i] = got
-                else:
-                    decoded[i] = got
-        ready = [i for i in range(len(queries)) if not isinstance(out[i], BaseException)]
-        batch = [(decoded[i] if i in decoded else queries[i][0], queries[i][1]) for i in ready]
-        results, stats = index.match_batch_detailed(batch)
+        tokens, offsets, errors = decode_query_tokens([q[0] for q in queries])
+        for i, err in enumerate(errors):
+            if err is not None:
+                out[i] = err
+        ready = [i for i, err in enumerate(errors) if err is None]
+        results, stats = index.match_flat(tokens, offsets, [queries[i][1] for i in ready])
         self.metrics.observe_match(stats)
         for i, matches in zip(ready, results, strict=True):
             out[i] = encode_matches(matches)

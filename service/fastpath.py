@@ -110,7 +110,8 @@ class FastPath:
         try:
             payload = await answer(self.context, parsed, tokens)
         except ServiceError as exc:  # 4xx (a token that does not decode, a limit) and 503
-            if exc.status_code == 422 and isinstance(tokens, bytes) and tokens.translate(None, _JSON_CONTROL) != tokens:
+            if (exc.status_code == 422 and isinstance(tokens, (bytes, memoryview))
+                    and len(bytes(tokens).translate(None, _JSON_CONTROL)) != len(tokens)):
                 # a raw control character inside the string: the body is not JSON, which the
                 # route says in its own words (checked only here, off the hot path)
                 await self.app(scope, _replay(body, tail, receive), send)

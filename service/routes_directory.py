@@ -44,12 +44,11 @@ def _lookup(directory: KeyDirectory, keys: list[ObjectKey]) -> dict[str, Any]:
 
 def _list(directory: KeyDirectory, tier: str | None, instance_id: str | None, backend: str | None,
           offset: int, limit: int) -> dict[str, Any]:
-    everything = directory.list_keys(tier, instance_id, backend, 0, None)
-    page = everything[offset:offset + limit]
+    total, page = directory.key_page(tier, instance_id, backend, offset, limit)
     tokens = directory.get_token_ids([kp.key.chunk_hash for kp in page])
     nxt = offset + len(page)
-    return {"total": len(everything), "offset": offset, "limit": limit,
-            "next_offset": nxt if nxt < len(everything) else None,
+    return {"total": total, "offset": offset, "limit": limit,
+            "next_offset": nxt if nxt < total else None,
             "keys": [{"key": _key_wire(kp.key), "placements": [_placement_wire(p) for p in kp.placements],
                       "num_tokens": 0 if t is None else int(t.shape[0])}
                      for kp, t in zip(page, tokens, strict=True)]}

@@ -15,7 +15,7 @@ lookup thread for a whole batch at once), and a decoding failure is a 422 whose 
 names the field, like a schema error. The token-count limit (413) needs the server's
 configuration and is checked by the route.
 
-The cache-event wire model lives in :mod:`blendmatch.index.events` (the directory owns it;
+The cache-event wire model lives in :mod:`blendmatch.index.wire` (the directory owns it;
 ``POST /events`` hands raw bytes to it); the key model of ``/directory/lookup`` reuses its
 ``ObjectKeyModel``.
 """

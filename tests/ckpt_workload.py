@@ -116,4 +116,4 @@ def answers(d: KeyDirectory, seed: int) -> dict[str, Any]:
 
 
 def feed(d: KeyDirectory, batches: list[dict[str, Any]]) -> list[Any]:
-    return [d.apply_batch(b) for b in batches]
+    return [d.apply({"batches": [b]}) for b in batches]

@@ -1,5 +1,5 @@
 """Brute-force oracles for the tests: the big-integer fingerprint and a dict-based model of the
-blend index semantics (DESIGN.md section 5), written for obviousness, not speed."""
+blend index semantics (index/blend_index.py, index/verify.py), written for obviousness, not speed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""BlendIndex semantics (DESIGN.md section 5), edge cases on purpose."""
+"""BlendIndex semantics (index/blend_index.py, index/verify.py), edge cases on purpose."""
 
 from __future__ import annotations
 
@@ -308,3 +308,36 @@ def test_warm_up_leaves_the_index_untouched():
     idx.warm_up()
     assert idx.stats() == before
     assert idx.match([1, 2, 3, 4], A) == [BlendMatch(b"a", 0, 0)]
+
+
+def test_one_chunk_hash_under_two_contents_is_taken_once_per_query():
+    """Through the index's own API one chunk hash can occupy two contents; "taken" then goes
+    by hash (the oracle's rule), not by occupant."""
+    from oracle import OracleIndex
+
+    idx, oracle = _idx(), OracleIndex(4)
+    for tokens, h, off in (([1, 2, 3, 4], b"h", 10), ([5, 6, 7, 8], b"h", 20), ([5, 6, 7, 8], b"k", 30),
+                           ([1, 2, 3, 4], b"k", 40)):
+        idx.add(tokens, h, off, A)
+        oracle.add(tokens, h, off, A)
+    q = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert idx.match(q, A) == oracle.match(q, A) == [BlendMatch(b"h", 10, 0), BlendMatch(b"k", 30, 4)]
+
+
+def test_per_position_rule_work_is_linear_in_positions_plus_occupants():
+    """Many copies of one chunk (the same content under many chunk hashes) and a long query
+    of that content: every window verifies, and each may take one unseen hash. The rule's
+    work must grow with positions + occupants, not positions x occupants (issue 23: 1,000
+    copies and a 10,000-token query took 6.4 s and 1.7 GB when every pair was walked)."""
+    idx = _idx(c=4)
+    copies = 300
+    idx.add_many(np.full((copies, 4), 7, dtype=np.uint32), [i.to_bytes(4, "little") for i in range(copies)],
+                 np.zeros(copies, dtype=np.int64), A)
+    idx.add([7, 7, 7, 7], b"other-ns", 0, OTHER)  # an occupant the requester does not claim
+    q = np.full(2000, 7, dtype=np.uint32)
+    (got,), stats = idx.match_batch_detailed([(q, A)])
+    positions = q.size - 4 + 1
+    assert [m.chunk_hash for m in got] == [i.to_bytes(4, "little") for i in range(copies)]
+    assert [m.cur_st for m in got] == list(range(copies))
+    assert stats.matches == copies
+    assert stats.occupant_steps <= 3 * (positions + copies + 1)  # pairs walked: ~positions x copies

@@ -174,7 +174,7 @@ def test_replayed_batches_are_duplicates_after_restore(tmp_path):
 
 def test_private_tokens_and_blend_disabled(tmp_path):
     d = fresh(blend=False)
-    d.apply_batch(wire_batch("a", 1, "store", [wire_entry(b"h1", "m", token_ids=[1, 2, 3], token_offset=0)]))
+    d.apply({"batches": [wire_batch("a", 1, "store", [wire_entry(b"h1", "m", token_ids=[1, 2, 3], token_offset=0)])]})
     capture(d, tmp_path / "ck", fork=False)
     r = restored(tmp_path / "ck", blend=False)
     assert r.get_token_ids([b"h1"])[0].tolist() == [1, 2, 3]

@@ -193,7 +193,7 @@ def test_tokens_b64_mixed_with_token_ids_in_one_batch():
 @pytest.mark.parametrize("extra", [{}, {"token_ids": []}])
 def test_tokens_b64_batch_takes_the_fast_path(monkeypatch, extra):
     """A batch whose entries all use tokens_b64 never goes entry by entry."""
-    from blendmatch.index import wire as events
+    from blendmatch.index import wire_entries as events
 
     entries = [_entry(key__chunk_hash_hex=f"{i:04x}", tokens_b64=_b64([i, i + 1]), **extra) for i in range(3)]
     parse_event_request({"batches": [_batch(entries)]})  # first-seen scope: may go slow once

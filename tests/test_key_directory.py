@@ -1,4 +1,4 @@
-"""KeyDirectory: every row of the lifecycle (DESIGN.md section 6), the gate, placements,
+"""KeyDirectory: every row of the lifecycle (index/ingest.py, index/bindings.py), the gate, placements,
 fencing, namespaces, reads, memory sharing with the index, and all-or-nothing requests."""
 
 from __future__ import annotations
@@ -298,9 +298,9 @@ def test_an_invalid_batch_rejects_the_whole_request(d):
     assert d.apply({"batches": [good]}) == (1, 0, 0)  # the gate saw nothing of it
 
 
-def test_apply_batch_is_the_log_transport_entry_point(d):
-    assert d.apply_batch(wire_batch("a", 1, "store", [E(1, X, offset=0)])) == (1, 0, 0)
-    assert d.apply_batch(wire_batch("a", 1, "store", [E(1, X, offset=0)])) == (0, 1, 0)
+def test_one_batch_is_a_run_of_one(d):
+    assert d.apply({"batches": [wire_batch("a", 1, "store", [E(1, X, offset=0)])]}) == (1, 0, 0)
+    assert d.apply({"batches": [wire_batch("a", 1, "store", [E(1, X, offset=0)])]}) == (0, 1, 0)
 
 
 def test_access_and_config_batches(d):
@@ -404,6 +404,23 @@ def test_entry_counts_and_not_indexable_reasons(d, caplog):
     assert again.not_indexable == {}
 
 
+def test_world_size_0_content_is_counted_and_never_claimed(d, feed):
+    """One rule (indexable.py) decides the counter and the claim: a key of world size 0 is
+    counted as not indexable and its namespace is never claimed, on any store path."""
+    ws0 = pack_kv_rank(0, 0)
+    ns0 = BlendNamespace("m", "", 0)
+    feed.store("a", E(1, X, offset=0, kv_rank=ws0))  # a new binding, vector path
+    feed.store("a", E(2, Y, offset=0), E(2, kv_rank=ws0))  # a ws0 key joins content, same batch
+    feed.store("a", E(3, [9, 9, 9, 9], offset=0, kv_rank=ws0), E(3, [9, 9, 9, 9], offset=0))  # one by one
+    index = d.blend_index.stats()
+    assert index["num_claims"] == 2 and index["num_namespaces"] == 1
+    assert hits(d, X, ns0) == [] and hits(d, Y, ns0) == [] and hits(d, [9, 9, 9, 9], ns0) == []
+    assert hits(d, Y) == [(H(2), 0, 0)] and hits(d, [9, 9, 9, 9]) == [(H(3), 0, 0)]
+    assert d.stats()["events"]["entries_not_indexable"]["world_size_0"] == 3
+    # content stays bound (lookups by key still see it)
+    assert [t.tolist() for t in d.get_token_ids([H(1)])] == [X]
+
+
 # ----------------------------------------------------------------------------- placements
 
 
@@ -487,10 +504,10 @@ def test_get_token_ids_returns_copies(d, feed):
 def test_directory_shares_the_index_token_row(d, feed):
     feed.store("a", E(1, X, offset=0), E(2, Y, offset=-1))
     index_blocks = d.blend_index._tokens._py_blocks
-    indexed = d._bindings[H(1)].tokens
+    indexed = d._store.bindings[H(1)].tokens
     assert not indexed.flags.writeable
     assert any(np.shares_memory(indexed, block) for block in index_blocks)
-    private = d._bindings[H(2)].tokens  # not indexed (offset unknown): a private copy
+    private = d._store.bindings[H(2)].tokens  # not indexed (offset unknown): a private copy
     assert not any(np.shares_memory(private, block) for block in index_blocks)
     assert private.base is None or private.flags.owndata or private.base.size == C
 
@@ -501,7 +518,7 @@ def test_unindexed_content_never_pins_the_batch_buffer(d, feed):
     feed.store("a", E(2), E(2, Y, offset=-1))  # entry by entry (repeated hash)
     feed.store("a", E(1, [7, 7, 7, 7, 7], offset=0))  # existing binding, new content of the wrong length
     for h in (H(1), H(2)):
-        tokens = d._bindings[h].tokens
+        tokens = d._store.bindings[h].tokens
         assert tokens.base is None and not tokens.flags.writeable
 
 

@@ -51,7 +51,7 @@ async def test_service_freezes_after_the_configured_event_volume():
             assert r.status_code == 200
             assert gc.get_freeze_count() > before
         gc.unfreeze()
-        async with served(config()) as (client, _app):  # default: never
+        async with served(config()) as (client, _app):  # default: 64 MiB, far above this body
             r = await client.post("/events", json=events(store("i", 1, chunks(3))))
             assert r.status_code == 200 and gc.get_freeze_count() == 0
     finally:

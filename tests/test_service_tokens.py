@@ -160,3 +160,32 @@ def test_batch_decoder_isolates_failures():
     assert isinstance(out[2], TokenDecodeError) and "string" in str(out[2])
     assert isinstance(out[3], TokenDecodeError) and "non-ASCII" in str(out[3])
     assert decode_b64_many([]) == []
+
+
+def test_query_batch_decodes_into_one_flat_buffer_without_copying_the_text():
+    """The lookup thread's decoder: every query that decodes lies back to back in one
+    uint32 buffer (what the index probes), base64 read where it lies (a memoryview of the
+    request body, as the fast path takes it), a bad query gets its error and no span."""
+    from blendmatch.index import BlendIndex, BlendNamespace
+    from blendmatch.index.tokens import decode_query_tokens, split_b64_value
+
+    rng = np.random.default_rng(5)
+    a, b, c = (rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32) for n in (9, 20, 4))
+    body = ('{"tokens_b64": "%s", "model_name": "m"}' % b64(b)).encode()
+    view, _ = split_b64_value(body)
+    assert isinstance(view, memoryview) and view.obj is body  # the body's own bytes, not a copy
+    sources = [b64(a), "AAA*", view, c, b"\xff\xfe"]
+    tokens, offsets, errors = decode_query_tokens(sources)
+    assert tokens.dtype == np.uint32 and not tokens.flags.writeable
+    assert tokens.tolist() == np.concatenate([a, b, c]).tolist() and offsets.tolist() == [0, 9, 29, 33]
+    want = decode_b64_many(["AAA*"])[0]
+    assert [type(e).__name__ for e in errors] == ["NoneType", "TokenDecodeError", "NoneType", "NoneType",
+                                                  "TokenDecodeError"]
+    assert str(errors[1]) == str(want)
+    idx = BlendIndex(chunk_size=4, engine="cpu")
+    ns = BlendNamespace("m")
+    idx.add(b[4:8], b"h", 0, ns)
+    idx.add(c, b"k", 4, ns)
+    flat, _ = idx.match_flat(tokens, offsets, [ns, ns, ns])
+    assert flat == idx.match_batch([(a, ns), (b, ns), (c, ns)])
+    assert [len(r) for r in flat] == [0, 1, 1]

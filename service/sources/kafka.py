@@ -237,7 +237,7 @@ class KafkaSource:
 
     def _assign(self, consumer: Consumer, partitions: list[int]) -> None:
         starts = self._start_offsets(consumer, partitions)
-        with self._directory().pause_ingest():
+        with self._directory().ingest_lock:
             for p, o in starts.items():
                 self._next.setdefault(p, o)
         consumer.assign([TopicPartition(self.topic, p, self._next[p]) for p in partitions])
@@ -371,7 +371,7 @@ class KafkaSource:
         nbytes = 0
         t0 = time.perf_counter()
         run: list[tuple[int, int, Any]] = []
-        with directory.pause_ingest():
+        with directory.ingest_lock:
             for m, kind, what in decoded:
                 if kind == "fetch_error":
                     if what.code() != KafkaError._PARTITION_EOF:

@@ -1,0 +1,365 @@
+"""Bindings: which keys each chunk hash has, where each key is stored, what content it holds.
+
+Question answered: "where is each key stored, and which tokens does each chunk hash hold?"
+One part of the key directory (``key_directory.py`` is the facade; ``ingest.py`` writes
+here; the usage ledger is ``capacity.py``). No lock of its own: the directory's lock is held
+around every call.
+
+State:
+- Placements per key: :class:`Placement` ``(instance_id, incarnation, tier, backend,
+  size_bytes, shared)``, one per ``(instance_id, tier, backend)`` (``placements.py``). A
+  key's record dies with its last placement.
+- Token binding per chunk hash (:class:`Binding`): content (None until a STORE carries
+  tokens), its ``token_offset`` (-1 unknown) and the keys bound to it (every key of that
+  chunk hash: one per rank / object group / model / salt, each with its placements, the
+  ``members`` tuple). The binding dies with its last key, and a namespace's claim on the
+  blend index with its namespace's last key there (:meth:`BindingStore.replace_placements`).
+- Per instance, the chunk hashes and the number of keys with a private L1 placement on it
+  (what fencing walks: only that instance's chunks, never every key).
+
+Memory (issue 3: at most 1.6 KB per stored 256-token chunk, index included): one dict
+entry, the chunk hash bytes (the very object the index keeps too), a 4-slot
+:class:`Binding` and the token row the index returns (a view of the index's storage: no
+copy of indexed tokens is kept here). Placements, key scopes and members tuples are
+interned: a fleet has few distinct ones, so a chunk's whole key record is shared. Holding
+an index row is safe because a binding holds it only while its chunk hash is an occupant of
+that content (it has at least one claim); the index reuses a row only after its content's
+last occupant left.
+
+GC note: every binding is a GC-tracked object, so a full collection walks them all (about
+1 us per stored entry, amortised, at 100k entries on the dev VM). The service may call
+``gc.freeze()`` after bulk loads; this module does not touch process-wide GC settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from .blend_index import BlendIndex
+from .capacity import UsageLedger
+from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
+from .wire import TIERS, EventBatch, KeyScope
+from .types import BlendNamespace, ObjectKey
+
+__all__ = ["Binding", "BindingStore", "FenceResult", "KeyPage", "Member"]
+
+# (scope, placements sorted by (instance_id, tier, backend)); one per key bound to a chunk hash.
+Member = tuple[KeyScope, tuple[Placement, ...]]
+
+#: Interned values kept at most (placements, members tuples); past it the table starts
+#: over. Interning only saves memory; nothing relies on identity.
+_INTERN_MAX = 1 << 14
+
+
+class FenceResult(NamedTuple):
+    """What fencing an instance dropped."""
+
+    placements: int
+    keys: int
+
+
+class KeyPage(NamedTuple):
+    """One page of :meth:`BindingStore.page`: every matching key counted, one page built."""
+
+    total: int
+    keys: list[KeyPlacements]
+
+
+class Binding:
+    """One chunk hash: its content, offset, keys, and whether it takes part in the index.
+
+    ``tokens``: read-only uint32 row (the index's own row when indexed, else a private
+    copy; during an apply possibly a view of the batch's buffer or None while its first
+    content waits in ingest's deferral buffer) or None. ``indexed``: content was stored
+    while blend lookup was enabled, so a claim is kept for every key's namespace (when the
+    content and the namespace are indexable: ``indexable.py``).
+    """
+
+    __slots__ = ("tokens", "offset", "members", "indexed")
+
+    def __init__(self, members: tuple[Member, ...], offset: int = -1, indexed: bool = False,
+                 tokens: Optional[np.ndarray] = None) -> None:
+        self.tokens = tokens
+        self.offset = offset
+        self.members = members
+        self.indexed = indexed
+
+
+class BindingStore:
+    """Bindings, placements and the per-instance L1 bookkeeping (see the module docstring)."""
+
+    def __init__(self, usage: UsageLedger, index: Optional[BlendIndex] = None) -> None:
+        self.bindings: dict[bytes, Binding] = {}
+        self.usage = usage
+        self.index = index
+        self.l1_chunks: dict[str, set[bytes]] = {}  # instance -> chunk hashes with its private L1 copy
+        self.l1_keys: dict[str, int] = {}  # instance -> keys with a private L1 placement there
+        self.num_keys = 0
+        self.num_placements = 0
+        self.num_with_tokens = 0
+        self._interned: dict[Any, Any] = {}
+        self._singles: dict[tuple[int, int], tuple[Member, ...]] = {}
+
+    # ------------------------------------------------------------------ interning
+    def intern(self, value: Any) -> Any:
+        table = self._interned
+        got = table.get(value)
+        if got is None:
+            if len(table) >= _INTERN_MAX:
+                table.clear()
+            got = table[value] = value
+        return got
+
+    def single(self, scope: KeyScope, p: Placement) -> tuple[Member, ...]:
+        """The interned members tuple of a binding with one key and one placement (the
+        common case, so it is looked up by object identity: no tuple hashing)."""
+        ident = (id(scope), id(p))
+        got = self._singles.get(ident)
+        if got is None:
+            if len(self._singles) >= _INTERN_MAX:
+                self._singles.clear()
+            got = self._singles[ident] = ((scope, (p,)),)  # holds scope and p: ids stay valid
+        return got
+
+    def placement_of(self, batch: EventBatch, size: int) -> Placement:
+        if batch.shared:
+            p = Placement(SHARED_POOL_INSTANCE, 0, batch.tier, batch.backend, size, True)
+        else:
+            p = Placement(batch.instance_id, batch.incarnation, batch.tier, batch.backend, size, False)
+        return self.intern(p)
+
+    # ------------------------------------------------------------------ rules
+    @staticmethod
+    def namespaces(b: Binding) -> tuple[BlendNamespace, ...]:
+        members = b.members
+        if len(members) == 1:
+            return (members[0][0].namespace,)
+        return tuple(dict.fromkeys(sc.namespace for sc, _ in members))
+
+    def content_in_index(self, b: Binding) -> bool:
+        """Could ``b``'s content be in the index (right length, known offset)?"""
+        index = self.index
+        return index is not None and b.offset >= 0 and b.tokens is not None and b.tokens.shape[0] == index.chunk_size
+
+    # ------------------------------------------------------------------ writes
+    def upsert(self, b: Binding, scope: KeyScope, p: Placement) -> tuple[bool, bool, bool]:
+        """Add or replace ``p`` among ``scope``'s placements in ``b``.
+
+        Returns ``(key is new, its namespace is new to the binding, the key gained a private
+        L1 placement on p's instance)``.
+        """
+        members = b.members
+        ident = placement_ident(p)
+        for j, (sc, pls) in enumerate(members):
+            if sc == scope:
+                had_l1 = False
+                new_pls = None
+                for k, q in enumerate(pls):
+                    if placement_ident(q) == ident:
+                        if q == p:
+                            return False, False, False
+                        new_pls = pls[:k] + (p,) + pls[k + 1:]
+                        break
+                check_l1 = p.tier == L1 and not p.shared
+                if check_l1:
+                    had_l1 = any(is_private_l1(q, p.instance_id) for q in pls)
+                if new_pls is None:
+                    new_pls = tuple(sorted(pls + (p,), key=placement_ident))
+                    self.num_placements += 1
+                b.members = self.intern(members[:j] + ((sc, self.intern(new_pls)),) + members[j + 1:])
+                return False, False, check_l1 and not had_l1
+        ns = scope.namespace
+        new_ns = all(sc.namespace != ns for sc, _ in members)
+        b.members = self.intern(members + ((scope, (p,)),))
+        self.num_keys += 1
+        self.num_placements += 1
+        return True, new_ns, p.tier == L1 and not p.shared
+
+    def add_new(self, batch: EventBatch, hashes: Sequence[bytes], bindings: list[Binding]) -> None:
+        """Bind new, distinct chunk hashes of ``batch``, one key and one placement each."""
+        n = len(hashes)
+        self.bindings.update(zip(hashes, bindings))
+        self.num_keys += n
+        self.num_placements += n
+        if batch.tier == L1 and not batch.shared:
+            inst = batch.instance_id
+            self.l1_chunks.setdefault(inst, set()).update(hashes)
+            self.l1_keys[inst] = self.l1_keys.get(inst, 0) + n
+
+    def delete(self, batch: EventBatch) -> None:
+        """Apply a DELETE batch: drop the reporter's placement of each key (the pool's
+        placement for a shared batch); unknown keys and placements are no-ops."""
+        entries = batch.entries
+        inst = SHARED_POOL_INSTANCE if batch.shared else batch.instance_id
+        ident = (inst, batch.tier, batch.backend)
+        bindings = self.bindings
+        for h, scope in zip(entries.chunk_hashes, entries.scopes):
+            b = bindings.get(h)
+            if b is None:
+                continue
+            for j, (sc, pls) in enumerate(b.members):
+                if sc == scope:
+                    kept = tuple(q for q in pls if placement_ident(q) != ident)
+                    if len(kept) != len(pls):
+                        self.replace_placements(h, b, j, pls, kept)
+                    break
+
+    def fence(self, instance_id: str) -> FenceResult:
+        """Drop every private L1 placement of ``instance_id`` (its memory is gone after a
+        restart); keys left without placements die, and with them their namespaces' claims."""
+        chunks = self.l1_chunks.pop(instance_id, None)
+        keys_before, placements_before = self.num_keys, self.num_placements
+        for h in chunks or ():
+            b = self.bindings[h]  # the set is kept exact: every hash in it is bound
+            j = 0
+            while j < len(b.members):
+                pls = b.members[j][1]
+                kept = tuple(q for q in pls if not is_private_l1(q, instance_id))
+                if len(kept) != len(pls):
+                    self.replace_placements(h, b, j, pls, kept, l1_exact=False)
+                    if not kept:
+                        continue  # member j died; the next one moved to j
+                j += 1
+        self.l1_keys.pop(instance_id, None)
+        return FenceResult(placements_before - self.num_placements, keys_before - self.num_keys)
+
+    def replace_placements(self, h: bytes, b: Binding, j: int, old: tuple[Placement, ...],
+                           kept: tuple[Placement, ...], l1_exact: bool = True) -> None:
+        """Member ``j`` of ``b`` keeps only ``kept`` of its placements ``old``; a member left
+        without placements dies (and its namespace's claim with its last key), a binding
+        without members too. ``l1_exact=False``: the caller (fencing) resets the instance's
+        L1 bookkeeping itself."""
+        self.num_placements -= len(old) - len(kept)
+        self.usage.remove_placements(q for q in old if q not in kept)
+        if l1_exact:
+            self._drop_l1_bookkeeping(h, b, j, old, kept)
+        members = b.members
+        if kept:
+            b.members = self.intern(members[:j] + ((members[j][0], self.intern(kept)),) + members[j + 1:])
+            return
+        scope = members[j][0]
+        rest = members[:j] + members[j + 1:]
+        b.members = self.intern(rest) if rest else ()
+        self.num_keys -= 1
+        ns = scope.namespace
+        if b.indexed and self.content_in_index(b) and all(sc.namespace != ns for sc, _ in rest):
+            self.index.remove_claim(b.tokens, h, ns)  # type: ignore[union-attr]
+        if not rest:
+            del self.bindings[h]
+            if b.tokens is not None:
+                self.num_with_tokens -= 1
+            b.tokens = None
+
+    def _drop_l1_bookkeeping(self, h: bytes, b: Binding, j: int, old: tuple[Placement, ...],
+                             kept: tuple[Placement, ...]) -> None:
+        for inst in {q.instance_id for q in old if q.tier == L1 and not q.shared}:
+            if any(is_private_l1(q, inst) for q in kept):
+                continue
+            left = self.l1_keys.get(inst, 0) - 1
+            if left > 0:
+                self.l1_keys[inst] = left
+            else:
+                self.l1_keys.pop(inst, None)
+            others = any(is_private_l1(q, inst) for k, (_, pls) in enumerate(b.members) if k != j for q in pls)
+            if not others:
+                chunks = self.l1_chunks.get(inst)
+                if chunks is not None:
+                    chunks.discard(h)
+                    if not chunks:
+                        del self.l1_chunks[inst]
+
+    # ------------------------------------------------------------------ reads
+    def lookup(self, keys: Iterable[ObjectKey]) -> list[tuple[Placement, ...]]:
+        out: list[tuple[Placement, ...]] = []
+        bindings = self.bindings
+        for key in keys:
+            b = bindings.get(key.chunk_hash)
+            pls: tuple[Placement, ...] = ()
+            if b is not None:
+                for scope, placements in b.members:
+                    if (scope.model_name == key.model_name and scope.kv_rank == key.kv_rank
+                            and scope.object_group_id == key.object_group_id and scope.cache_salt == key.cache_salt):
+                        pls = placements
+                        break
+            out.append(pls)
+        return out
+
+    def token_ids(self, chunk_hashes: Iterable[bytes]) -> list[Optional[np.ndarray]]:
+        out: list[Optional[np.ndarray]] = []
+        for h in chunk_hashes:
+            b = self.bindings.get(h)
+            out.append(None if b is None or b.tokens is None else b.tokens.copy())
+        return out
+
+    def page(self, tier: Optional[str], instance_id: Optional[str], backend: Optional[str], offset: int,
+             limit: Optional[int], count_all: bool) -> KeyPage:
+        """Keys with at least one placement matching every given filter (with those
+        placements only), first stored first: ``limit`` of them (None: all) after skipping
+        ``offset``. Only the page's keys are built; the others are counted (``count_all``:
+        every match, a full scan; else the scan stops at the end of the page and ``total``
+        is what was seen). See :meth:`KeyDirectory.list_keys`."""
+        if tier is not None and tier not in TIERS:
+            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be an integer >= 0, got {offset!r}")
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit must be an integer >= 0 or None, got {limit!r}")
+        out: list[KeyPlacements] = []
+        end = None if limit is None else offset + limit
+        seen = 0
+
+        def wanted(p: Placement) -> bool:
+            return ((tier is None or p.tier == tier) and (instance_id is None or p.instance_id == instance_id)
+                    and (backend is None or p.backend == backend))
+
+        everything = tier is None and instance_id is None and backend is None
+        for h, b in self.bindings.items():
+            for scope, placements in b.members:
+                if not everything and not any(map(wanted, placements)):
+                    continue
+                if offset <= seen and (end is None or seen < end):
+                    chosen = placements if everything else tuple(filter(wanted, placements))
+                    out.append(KeyPlacements(scope.object_key(h), chosen))
+                seen += 1
+                if not count_all and end is not None and seen >= end:
+                    return KeyPage(seen, out)
+        return KeyPage(seen, out)
+
+    # ------------------------------------------------------------------ checkpoints
+    def export_state(self) -> dict[str, Any]:
+        """This part's checkpoint state: the live objects (shared, not copied; encode them
+        before the next write), bindings in dict order, which :meth:`page` pages by."""
+        bindings = list(self.bindings.values())
+        return {
+            "hashes": list(self.bindings),
+            "members": [b.members for b in bindings],
+            "offsets": [b.offset for b in bindings],
+            "indexed": [b.indexed for b in bindings],
+            "tokens": [b.tokens for b in bindings],
+            "l1_chunks": {inst: list(hs) for inst, hs in self.l1_chunks.items()},
+            "l1_keys": dict(self.l1_keys),
+            "counters": {"num_keys": self.num_keys, "num_placements": self.num_placements,
+                         "num_with_tokens": self.num_with_tokens},
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Replace this (empty) store's state by an :meth:`export_state` as decoded by
+        ``checkpoint.py`` (``tokens``: the restored index's own rows for indexed content)."""
+        hashes = state["hashes"]
+        self.bindings = dict(zip(hashes, map(Binding, state["members"], state["offsets"], state["indexed"],
+                                             state["tokens"])))
+        if len(self.bindings) != len(hashes):
+            raise ValueError("a chunk hash appears twice in the snapshot")
+        self.l1_chunks = {inst: set(hs) for inst, hs in state["l1_chunks"].items()}
+        self.l1_keys = {inst: int(n) for inst, n in state["l1_keys"].items()}
+        c = state["counters"]
+        self.num_keys, self.num_placements = int(c["num_keys"]), int(c["num_placements"])
+        self.num_with_tokens = int(c["num_with_tokens"])
+
+    def placements(self) -> Iterable[Placement]:
+        """Every placement held (to rebuild the usage ledger). O(placements)."""
+        for b in self.bindings.values():
+            for _, pls in b.members:
+                yield from pls
