@@ -312,3 +312,45 @@ async def test_raw_control_character_in_tokens_b64_gets_the_routes_answer(ctrl):
     for r in answers:
         assert r.status_code == 422
         assert "JSON decode error: Invalid control character" in r.json()["detail"], r.text
+
+
+# ------------------------------------------------------------------------------- blendmatch serve
+
+
+def test_blendmatch_serve_applies_the_limit_flags():
+    """The same protocol through the CLI (the flags reach it): 431, a silent connection
+    closed, and the counter in /metrics."""
+    import subprocess
+    import sys
+
+    from test_durability_service import ROOT, _free_port
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "blendmatch", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--engine", "cpu", "--chunk-size", "16", "--log-level", "warning",
+                             "--max-header-bytes", "2048", "--header-timeout", "0.5"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "blendmatch serve did not open its port"
+                time.sleep(0.05)
+        with s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 4096 + b"\r\n\r\n")
+            status, headers, body = read_response(s)
+        assert status == 431 and "--max-header-bytes" in json_detail(status, headers, body)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            assert closed_by_peer(s)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+            _, _, metrics = read_response(s)
+        assert 'blendmatch_http_limit_rejections_total{limit="header_bytes"} 1.0' in metrics.decode()
+        assert 'blendmatch_http_limit_rejections_total{limit="header_timeout"} 1.0' in metrics.decode()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
