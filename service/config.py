@@ -128,6 +128,11 @@ class ServiceConfig(BaseModel):
                     "permanent generation (about 35k stored 256-token entries per 64 MiB); 0 = never",
         json_schema_extra={"shown": "64 MiB"})
 
+    max_instances: int = Field(
+        default=10_000, ge=1,
+        description="distinct instance ids tracked (event cursors, registrations); a request that would add one "
+                    "more is a 429 with nothing applied; ids leave when their instance deregisters or expires")
+
     # access and TLS (service/access.py, docs/security.md)
     access_file: str | None = Field(
         default=None,

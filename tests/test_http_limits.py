@@ -354,3 +354,31 @@ def test_blendmatch_serve_applies_the_limit_flags():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.mark.anyio
+async def test_distinct_instance_ids_are_bounded_and_stats_stay_bounded():
+    from service_support import chunks, store
+
+    async with served(config(max_instances=5)) as (client, _):
+        for i in range(5):
+            r = await client.post("/events", json={"batches": [store(f"inst-{i}", 1, chunks(1, seed=i), first_hash=i)]})
+            assert r.status_code == 200 and r.json()["applied"] == 1
+        # a sixth id, even beside a known one: 429, nothing of the request applied
+        r = await client.post("/events", json={"batches": [store("inst-0", 2, chunks(1, seed=10), first_hash=10),
+                                                           store("inst-new", 1, chunks(1, seed=11), first_hash=11)]})
+        assert r.status_code == 429
+        assert "--max-instances" in r.json()["detail"] and "nothing was applied" in r.json()["detail"]
+        stats = (await client.get("/directory/stats")).json()
+        assert len(stats["instances"]) == 5 and stats["keys"] == 5
+        # known ids go on
+        r = await client.post("/events", json={"batches": [store("inst-0", 2, chunks(1, seed=10), first_hash=10)]})
+        assert r.status_code == 200 and r.json()["applied"] == 1
+        # registrations are bounded the same way
+        for i in range(5):
+            r = await client.post("/instances", json={"instance_id": f"mp-{i}", "ip": "10.0.0.1", "http_port": 8000})
+            assert r.status_code == 200, r.text
+        r = await client.post("/instances", json={"instance_id": "mp-5", "ip": "10.0.0.1", "http_port": 8000})
+        assert r.status_code == 429 and "--max-instances" in r.json()["detail"]
+        r = await client.post("/instances", json={"instance_id": "mp-0", "ip": "10.0.0.1", "http_port": 8000})
+        assert r.status_code == 200 and r.json()["re_registered"]
