@@ -286,7 +286,7 @@ def _serve(argv: Sequence[str]) -> int:
     # header a client could write.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                access_log=config.access_log, proxy_headers=False, **uvicorn_tls_kwargs(config),
-                               http=limits.protocol_class,
+                               http=limits.protocol_class, ws="none",  # no WebSocket routes here
                                timeout_graceful_shutdown=max(1, int(config.graceful_timeout / 2)),
                                timeout_keep_alive=int(config.timeout_keep_alive) if config.timeout_keep_alive.is_integer()
                                else config.timeout_keep_alive)

@@ -346,6 +346,18 @@ class _LimitedProtocol(HttpToolsProtocol):
         self._bm_phase += 1
         super().on_message_complete()
 
+    def handle_websocket_upgrade(self) -> None:
+        """The connection leaves HTTP (and these limits): its slot and bytes are released
+        here, since its ``connection_lost`` will go to the WebSocket protocol. (``blendmatch
+        serve`` runs with ``ws="none"``; this is for an embedding that serves WebSockets.)"""
+        limits = self.limits
+        if self in limits.open:
+            limits.open.discard(self)
+            limits.in_flight -= self._bm_body + self._bm_out
+            self._bm_body = self._bm_out = 0
+        self._bm_refused = True  # no deadline or accounting for it any more
+        super().handle_websocket_upgrade()
+
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._bm_active = cycle  # the request being answered (self.cycle may be a pipelined one)
         super()._start_asgi_task(cycle, app)
