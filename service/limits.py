@@ -38,7 +38,9 @@ wrong, so a retry elsewhere or later is right.
 
 The same protocol answers requests that the HTTP parser rejects (a bad ``Content-Length``,
 a malformed request line) with a JSON 400 naming the parser's reason, instead of uvicorn's
-plain-text body.
+plain-text body, and tells the request being answered when its client went away (uvicorn
+tells only the newest of pipelined requests; the one being answered then wrote to a closed
+transport and logged an ERROR traceback per connection).
 
 Each refusal is counted in ``blendmatch_http_limit_rejections_total{limit}`` (and in
 ``blendmatch_http_rejected_total{status}`` through ``on_reject``), and logged at WARNING at
@@ -197,7 +199,10 @@ class _CountingTransport:
         self._conn = conn
 
     def write(self, data: Any) -> None:
-        self._transport.write(data)
+        transport = self._transport
+        if transport.is_closing():  # the peer is gone: uvloop would raise into the app
+            return
+        transport.write(data)
         self._conn._bm_account_out()
 
     def __getattr__(self, name: str) -> Any:
@@ -243,6 +248,13 @@ class _LimitedProtocol(HttpToolsProtocol):
         limits._arm(self.loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # uvicorn marks only the newest request disconnected; with pipelining the one being
+        # answered is older and would go on writing to a closed transport (uvloop raises:
+        # an ERROR with a traceback per connection). It learns of the disconnect too.
+        active = self._bm_active
+        if active is not None and not active.response_complete:
+            active.disconnected = True
+            active.message_event.set()
         limits = self.limits
         if self in limits.open:
             limits.open.discard(self)

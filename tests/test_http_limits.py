@@ -382,3 +382,29 @@ async def test_distinct_instance_ids_are_bounded_and_stats_stay_bounded():
         assert r.status_code == 429 and "--max-instances" in r.json()["detail"]
         r = await client.post("/instances", json={"instance_id": "mp-0", "ip": "10.0.0.1", "http_port": 8000})
         assert r.status_code == 200 and r.json()["re_registered"]
+
+
+def test_a_client_gone_while_its_pipelined_responses_are_written_is_no_error(caplog):
+    """uvicorn marks only the newest pipelined request disconnected; the one being answered
+    went on writing to the closed transport, and uvloop's RuntimeError came out as an ERROR
+    with a traceback per connection."""
+    import struct
+
+    caplog.set_level(logging.INFO)
+    with Served() as srv:
+        for _ in range(3):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            s.settimeout(5)
+            s.connect(("127.0.0.1", srv.port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+            s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: t\r\n\r\n" * 300)
+            s.recv(5000)
+            time.sleep(0.05)
+            s.recv(5000)
+            s.close()
+        time.sleep(0.5)
+        status, _, _ = srv.request(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert status == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
