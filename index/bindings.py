@@ -33,12 +33,13 @@ GC note: every binding is a GC-tracked object, so a full collection walks them a
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from .blend_index import BlendIndex
 from .capacity import UsageLedger
+from .indexable import content_indexable
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
 from .wire import TIERS, EventBatch, KeyScope
 from .types import BlendNamespace, ObjectKey
@@ -51,6 +52,10 @@ Member = tuple[KeyScope, tuple[Placement, ...]]
 #: Interned values kept at most (placements, members tuples); past it the table starts
 #: over. Interning only saves memory; nothing relies on identity.
 _INTERN_MAX = 1 << 14
+
+
+def _nothing() -> None:
+    pass
 
 
 class FenceResult(NamedTuple):
@@ -99,6 +104,7 @@ class BindingStore:
         self.num_keys = 0
         self.num_placements = 0
         self.num_with_tokens = 0
+        self.before_index_write: Callable[[], None] = _nothing  # the ingest path's hold (ingest.py)
         self._interned: dict[Any, Any] = {}
         self._singles: dict[tuple[int, int], tuple[Member, ...]] = {}
 
@@ -139,9 +145,10 @@ class BindingStore:
         return tuple(dict.fromkeys(sc.namespace for sc, _ in members))
 
     def content_in_index(self, b: Binding) -> bool:
-        """Could ``b``'s content be in the index (right length, known offset)?"""
+        """Could ``b``'s content be in the index (``indexable.content_indexable``)?"""
         index = self.index
-        return index is not None and b.offset >= 0 and b.tokens is not None and b.tokens.shape[0] == index.chunk_size
+        return index is not None and b.tokens is not None and content_indexable(
+            b.tokens.shape[0], index.chunk_size, b.offset)
 
     # ------------------------------------------------------------------ writes
     def upsert(self, b: Binding, scope: KeyScope, p: Placement) -> tuple[bool, bool, bool]:
@@ -245,6 +252,7 @@ class BindingStore:
         self.num_keys -= 1
         ns = scope.namespace
         if b.indexed and self.content_in_index(b) and all(sc.namespace != ns for sc, _ in rest):
+            self.before_index_write()
             self.index.remove_claim(b.tokens, h, ns)  # type: ignore[union-attr]
         if not rest:
             del self.bindings[h]

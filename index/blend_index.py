@@ -48,8 +48,8 @@ from blendmatch.gpu import Candidates, Engine, FailoverEngine, QueryBatch, chunk
 
 from .slots import FilterMode, SlotArray
 from .tokens import as_token_rows, as_tokens
-from .storage import Columns, FingerprintMap, TokenStore, split_hashes
-from .types import UNKNOWN_TOKEN_OFFSET, BlendMatch, BlendNamespace
+from .storage import Columns, FingerprintMap, Repeat, TokenStore, split_hashes
+from .types import UNKNOWN_TOKEN_OFFSET, BlendMatch, BlendNamespace, check_chunk_hash, check_namespace, check_token_offset
 from .verify import NO_KEYS, MatchStats, hash_keys, per_position_rule
 
 __all__ = ["BlendIndex", "MatchStats"]
@@ -59,8 +59,6 @@ log = logging.getLogger(__name__)
 _BYTES_ONLY = {bytes}
 _NONE = -1  # end of a linked list
 _FREE = -2  # c_occ of a free content row
-
-
 _EMPTY_LIST_BYTES = sys.getsizeof([])
 
 
@@ -96,6 +94,12 @@ class BlendIndex:
         self._ns_claims: list[int] = []
         self._collisions = 0
         self._rebuilds = 0
+        self._slot_writes = 0  # odd while a slot-table write runs (see _match)
+
+    @property
+    def write_lock(self) -> threading.RLock:
+        """The lock every write takes; writes under one hold are seen by lookups at once."""
+        return self._lock
 
     @property
     def engine(self) -> Engine:
@@ -114,9 +118,9 @@ class BlendIndex:
         ``ValueError`` for tokens that are not uint32 ids (nothing applied).
         """
         arr = as_tokens(tokens)
-        _check_hash(chunk_hash)
-        offset = _check_offset(token_offset)
-        _check_ns(ns)
+        check_chunk_hash(chunk_hash)
+        offset = check_token_offset(token_offset)
+        check_namespace(ns)
         if arr.size != self.chunk_size:
             log.debug("not indexed: content of %d tokens, chunk size %d", arr.size, self.chunk_size)
             return None
@@ -138,7 +142,7 @@ class BlendIndex:
             raise ValueError(f"chunk_hashes has {len(chunk_hashes)} entries for {n} token rows")
         if not set(map(type, chunk_hashes)) <= _BYTES_ONLY:
             for h in chunk_hashes:
-                _check_hash(h)
+                check_chunk_hash(h)
         offsets = np.asarray(token_offsets, dtype=np.int64).reshape(-1)
         if offsets.size == 1 and n != 1:
             offsets = np.full(n, offsets[0], dtype=np.int64)
@@ -147,26 +151,27 @@ class BlendIndex:
         if n and offsets.min() < UNKNOWN_TOKEN_OFFSET:
             raise ValueError(f"token_offset must be >= -1, got {int(offsets.min())}")
         if isinstance(namespaces, BlendNamespace):
-            ns_list: Sequence[BlendNamespace] = _Repeat(namespaces, n)
+            ns_list: Sequence[BlendNamespace] = Repeat(namespaces, n)
         else:
             ns_list = namespaces
             if len(ns_list) != n:
                 raise ValueError(f"namespaces has {len(ns_list)} entries for {n} token rows")
             for ns in ns_list:
-                _check_ns(ns)
+                check_namespace(ns)
         results: list[np.ndarray | None] = [None] * n
         if n == 0 or arr.shape[1] != self.chunk_size:
             return results
         fps = chunk_fingerprints(arr)
         # The lock is taken per part of ADD_MANY_ROWS_PER_LOCK rows, not for the whole call:
         # a lookup's verification waits for it, and a 5,000-row batch held it 3-8 ms (one
-        # 256-row part: ~0.2 ms). Parts apply in order, so the results are the same as one
+        # 256-row part: ~0.2 ms); a caller holding ``write_lock`` (the key directory, so that
+        # lookups see its run whole) keeps it. Parts apply in order: the same results as one
         # pass (a row's duplicates in later parts find it in the fingerprint map).
         step = self.ADD_MANY_ROWS_PER_LOCK
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             part: list[np.ndarray | None] = [None] * (hi - lo)
-            nss = _Repeat(ns_list.value, hi - lo) if isinstance(ns_list, _Repeat) else ns_list[lo:hi]
+            nss = Repeat(ns_list.value, hi - lo) if isinstance(ns_list, Repeat) else ns_list[lo:hi]
             hashes = chunk_hashes[lo:hi] if (lo, hi) != (0, n) else chunk_hashes
             with self._lock:
                 self._add_part_locked(arr[lo:hi], fps[lo:hi], hashes, offsets[lo:hi], nss, part)
@@ -224,7 +229,7 @@ class BlendIndex:
             self._slots.floor_size = size
             if size > self._slots.size:
                 live = self._c["occ"][: self._c.size] != _FREE
-                self._slots.rebuild(self._c["fp"][: self._c.size][live], size=size)
+                self._slots_write(self._slots.rebuild, self._c["fp"][: self._c.size][live], size=size)
                 self._rebuilds += 1
 
     def remove_claim(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace) -> bool:
@@ -260,7 +265,7 @@ class BlendIndex:
             except (TypeError, ValueError):
                 raise ValueError(f"query {i}: expected a (tokens, BlendNamespace) pair") from None
             arrays.append(as_tokens(tokens, name=f"query {i} tokens"))
-            _check_ns(ns)
+            check_namespace(ns)
             namespaces.append(ns)
         if not arrays:
             return [], MatchStats()
@@ -272,7 +277,7 @@ class BlendIndex:
         query ``q`` is ``tokens[offsets[q]:offsets[q+1]]`` (``tokens.decode_query_tokens``
         builds them). The engine probes the buffer as it is: no copy."""
         for i, ns in enumerate(namespaces):
-            _check_ns(ns)
+            check_namespace(ns)
         if len(namespaces) != offsets.shape[0] - 1:
             raise ValueError(f"{len(namespaces)} namespaces for {offsets.shape[0] - 1} queries")
         if not namespaces:
@@ -281,20 +286,54 @@ class BlendIndex:
 
     def _match(self, batch: QueryBatch, namespaces: list[BlendNamespace]
                ) -> tuple[list[list[BlendMatch]], MatchStats]:
+        """Probe outside the lock, verify under it: one state of the index, so writes held
+        under :attr:`write_lock` together are seen all or none. A probe that raced slot
+        writes (``_slot_writes`` changed, or odd: one in progress) may have missed new
+        slots: it runs again (``reprobes``), the last time with the lock held."""
         stats = MatchStats(queries=batch.num_queries, tokens=batch.num_tokens)
         results: list[list[BlendMatch]] = [[] for _ in namespaces]
         t0 = time.perf_counter()
-        cands = self._probe(batch)
-        t1 = time.perf_counter()
+        found = None
+        for attempt in range(self.PROBE_TRIES + 1):
+            last = attempt == self.PROBE_TRIES
+            if last:
+                self._lock.acquire()  # writers held off: the probe and verification see one state
+            try:
+                seen = self._slot_writes
+                cands = self._probe(batch)
+                t1 = time.perf_counter()
+                with self._lock:
+                    if last or (seen == self._slot_writes and not seen & 1):
+                        if len(cands):
+                            found = self._verify_locked(batch, cands, namespaces, stats)
+                        break
+            finally:
+                if last:
+                    self._lock.release()
+            stats.reprobes += 1
         stats.engine_s = t1 - t0
         stats.engine_name = self.engine.name
         stats.engine_timings = dict(cands.timings)
         stats.windows = cands.windows
         stats.survivors = len(cands)
-        if len(cands):
-            self._verify(batch, cands, namespaces, results, stats)
+        if found is not None:
+            make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
+            for q, st, h, old in zip(*found):
+                results[q].append(make(BlendMatch, (h, old, st)))
         stats.verify_s = time.perf_counter() - t1
         return results, stats
+
+    #: Probes of one ``match`` outside the lock before one under it (see ``_match``).
+    PROBE_TRIES = 2
+
+    def _slots_write(self, fn: Any, *args: Any, **kw: Any) -> None:
+        """Run a slot-table write (insert or rebuild; lock held) between two increments of
+        ``_slot_writes``, so a concurrent probe can tell it may have missed slots."""
+        self._slot_writes += 1
+        try:
+            fn(*args, **kw)
+        finally:
+            self._slot_writes += 1
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes (cheap; safe to call from a metrics scrape)."""
@@ -405,7 +444,7 @@ class BlendIndex:
             self._rebuilds = int(doc["rebuilds"])
             self._slots.floor_size = int(doc["slots"]["floor_size"])
             live = self._c["occ"][:c_size] != _FREE
-            self._slots.rebuild(self._c["fp"][:c_size][live], size=int(doc["slots"]["size"]))
+            self._slots_write(self._slots.rebuild, self._c["fp"][:c_size][live], size=int(doc["slots"]["size"]))
 
     def token_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         """Read-only views of content rows ``rows`` (what ``add`` returned for them); used
@@ -473,7 +512,7 @@ class BlendIndex:
         o["next"][occs] = _NONE
         o["offset"][occs] = offsets
         o["claim"][occs] = claims
-        if isinstance(nss, _Repeat):  # one namespace for all rows
+        if isinstance(nss, Repeat):  # one namespace for all rows
             nid = self._ns_id(nss.value)
             k["ns"][claims] = nid
             self._ns_claims[nid] += n
@@ -490,7 +529,7 @@ class BlendIndex:
             for occ, h in zip(occs.tolist(), hashes):
                 self._set_hash(occ, h)
         self._fpmap.insert(fps, rows)
-        self._slots.insert(fps)
+        self._slots_write(self._slots.insert, fps)
         views = self._tokens.rows(rows)
         if n == len(results):  # every row of the call is new content: positions are 0..n-1
             results[:] = views
@@ -548,9 +587,9 @@ class BlendIndex:
 
     def _remove(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace | None) -> bool:
         arr = as_tokens(tokens)
-        _check_hash(chunk_hash)
+        check_chunk_hash(chunk_hash)
         if ns is not None:
-            _check_ns(ns)
+            check_namespace(ns)
         if arr.size != self.chunk_size:
             return False
         fp = chunk_fingerprint(arr)
@@ -619,7 +658,7 @@ class BlendIndex:
     def _maybe_rebuild(self) -> None:
         if self._slots.needs_rebuild():
             live = self._c["occ"][: self._c.size] != _FREE
-            self._slots.rebuild(self._c["fp"][: self._c.size][live])
+            self._slots_write(self._slots.rebuild, self._c["fp"][: self._c.size][live])
             self._rebuilds += 1
 
     def _memory_bytes_locked(self) -> int:
@@ -634,66 +673,27 @@ class BlendIndex:
     def _probe(self, batch: QueryBatch) -> Candidates:
         return self._failover.probe(batch, self._slots)
 
-    def _verify(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
-                results: list[list[BlendMatch]], stats: MatchStats) -> None:
-        """Verification and the per-position rule (``verify.per_position_rule``), under the
-        lock: time and memory linear in candidates plus occupants, one pair per match."""
-        with self._lock:
-            q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64,
-                               count=len(namespaces))
-            rows = self._fpmap.lookup(cands.fingerprint)
-            args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
-                    self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
-                    self._o["claim"], self._k["ns"], self._k["next"])
-            ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, NO_KEYS, False)
+    def _verify_locked(self, batch: QueryBatch, cands: Candidates, namespaces: list[BlendNamespace],
+                       stats: MatchStats) -> tuple[list[int], list[int], list[bytes], list[int]]:
+        """Verification and the per-position rule (``verify.per_position_rule``), lock held:
+        time and memory linear in candidates plus occupants. Per match: its query, position,
+        chunk hash and stored offset, as columns."""
+        q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64, count=len(namespaces))
+        rows = self._fpmap.lookup(cands.fingerprint)
+        args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
+                self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
+                self._o["claim"], self._k["ns"], self._k["next"])
+        ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, NO_KEYS, False)
+        hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
+        qidx = cands.query_index[ci].tolist()
+        if len(set(zip(qidx, hashes))) != len(hashes):
+            # One chunk hash occupies two contents (possible through this class's API, never
+            # through the directory's): "taken" must go by hash, not by occupant.
+            keys = hash_keys(rows, self._c["occ"], self._o["next"], self._o_hash)
+            ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, keys, True)
             hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
             qidx = cands.query_index[ci].tolist()
-            if len(set(zip(qidx, hashes))) != len(hashes):
-                # One chunk hash occupies two contents (possible through this class's API, never
-                # through the directory's): "taken" must go by hash, not by occupant.
-                keys = hash_keys(rows, self._c["occ"], self._o["next"], self._o_hash)
-                ci, oi, misses, ns_skip, rejects, steps = per_position_rule(*args, keys, True)
-                hashes = list(map(self._o_hash.__getitem__, oi.tolist()))
-                qidx = cands.query_index[ci].tolist()
-            old_sts = self._o["offset"][oi].tolist()
         stats.dict_misses, stats.ns_filtered, stats.token_rejections = int(misses), int(ns_skip), int(rejects)
         stats.occupant_steps = int(steps)
-        make = tuple.__new__  # BlendMatch(h, old, st) without the NamedTuple's Python __new__
-        for q, st, h, old in zip(qidx, cands.cur_st[ci].tolist(), hashes, old_sts):
-            results[q].append(make(BlendMatch, (h, old, st)))
         stats.matches = len(hashes)
-
-
-class _Repeat(Sequence):
-    """``[value] * n`` without building the list (one namespace for a whole bulk add)."""
-
-    def __init__(self, value: Any, n: int) -> None:
-        self.value, self.n = value, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self.value] * len(range(*i.indices(self.n)))
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        return self.value
-
-
-def _check_hash(chunk_hash: Any) -> None:
-    if not isinstance(chunk_hash, bytes):
-        raise ValueError(f"chunk_hash must be bytes, got {type(chunk_hash).__name__}")
-
-
-def _check_offset(token_offset: Any) -> int:
-    if isinstance(token_offset, bool) or not isinstance(token_offset, (int, np.integer)):
-        raise ValueError(f"token_offset must be an integer, got {token_offset!r}")
-    if token_offset < UNKNOWN_TOKEN_OFFSET:
-        raise ValueError(f"token_offset must be >= -1, got {token_offset}")
-    return int(token_offset)
-
-
-def _check_ns(ns: Any) -> None:
-    if not isinstance(ns, BlendNamespace):
-        raise ValueError(f"namespace must be a BlendNamespace, got {type(ns).__name__}")
+        return qidx, cands.cur_st[ci].tolist(), hashes, self._o["offset"][oi].tolist()

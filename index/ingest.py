@@ -182,6 +182,8 @@ class IngestPath:
         self.usage = usage
         self.index = index
         self._adds = _IndexAdds()
+        self._holding = False  # the index's write lock is held until the run ends
+        store.before_index_write = self._hold_index
         self.entries_stored = 0
         self.entries_deleted = 0
         self.entries_unfilled = 0
@@ -204,16 +206,40 @@ class IngestPath:
                     self._flush()
                     out.append(exc)
         finally:
-            self._flush()
+            try:
+                self._flush()
+            finally:
+                self._release_index()
         return out
 
     def fence(self, instance_id: str) -> FenceResult:
-        """Fence ``instance_id``'s private L1 placements (``BindingStore.fence``)."""
-        self._flush()
-        return self.store.fence(instance_id)
+        """Fence ``instance_id``'s private L1 placements (``BindingStore.fence``), seen by
+        lookups all at once."""
+        try:
+            self._flush()
+            return self.store.fence(instance_id)
+        finally:
+            self._release_index()
 
     def _flush(self) -> None:
+        if self._adds.blocks:
+            self._hold_index()
         self._adds.flush(self.index)
+
+    def _hold_index(self) -> None:
+        """Before the first index write of a run: take the index's write lock and keep it
+        to the end of the run, so that a lookup sees all of the run's effect or none of it
+        (``BlendIndex.write_lock``; lock order directory -> index). Taken at the first
+        write, not at the start: verification waits from there to the end of the run (for
+        the steady state, a run of new content, that is its one ``add_many``)."""
+        if not self._holding and self.index is not None:
+            self.index.write_lock.acquire()
+            self._holding = True
+
+    def _release_index(self) -> None:
+        if self._holding:
+            self._holding = False
+            self.index.write_lock.release()  # type: ignore[union-attr]
 
     def _apply_request(self, parsed: EventRequest) -> ApplyReport:
         applied = duplicates = stale = entries = 0
@@ -501,6 +527,7 @@ class IngestPath:
         if b.indexed and self.store.content_in_index(b):
             pending.seal(self._adds, column)
             self._flush()
+            self._hold_index()
             self.index.remove_chunk(old, h)  # type: ignore[union-attr]
         self._set_content(b, view, offset, enabled)
         if enabled:
@@ -568,9 +595,9 @@ def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[Ble
 
 
 def _whole_block_indexable(entries: EntryColumns, chunk_size: int) -> bool:
-    """Every entry carries one chunk of content (``chunk_size`` usable ids) at a known
-    offset, for a namespace that may be claimed: the batch's token block goes to the buffer
-    as it is."""
+    """``indexable_reason`` is None for every entry, column-wise: each carries one chunk of
+    content (``chunk_size`` usable ids) at a known offset, for a namespace that may be
+    claimed. The batch's token block then goes to the buffer as it is."""
     return (min(entries.offsets) >= 0 and entries.tokens.rows_of_length(chunk_size)
             and _scopes_indexable(entries.scopes))
 

@@ -13,6 +13,7 @@ Nothing here locks: the owner (``BlendIndex``) calls every method with its lock 
 from __future__ import annotations
 
 import mmap
+from typing import Any, Sequence
 
 import numba
 import numpy as np
@@ -20,7 +21,7 @@ from numba.typed import List as NumbaList
 
 from blendmatch.gpu.fingerprint import mix64_scalar
 
-__all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE", "split_hashes"]
+__all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE", "split_hashes", "Repeat"]
 
 #: FingerprintMap value of a never-used slot / of a deleted one (keeps probe chains intact).
 EMPTY = -1
@@ -416,3 +417,20 @@ def split_hashes(blob: bytes, lengths: np.ndarray) -> list[bytes | None]:
             out.append(blob[pos:pos + ln])
             pos += ln
     return out
+
+
+class Repeat(Sequence):
+    """``[value] * n`` without building the list (one namespace for a whole bulk add)."""
+
+    def __init__(self, value: Any, n: int) -> None:
+        self.value, self.n = value, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self.value] * len(range(*i.indices(self.n)))
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return self.value

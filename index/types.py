@@ -9,7 +9,8 @@ requests) can never disagree on what a namespace is.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from numbers import Integral
+from typing import Any, NamedTuple
 
 __all__ = [
     "UNKNOWN_TOKEN_OFFSET",
@@ -20,6 +21,9 @@ __all__ = [
     "pack_kv_rank",
     "unpack_kv_rank",
     "world_size_of_kv_rank",
+    "check_chunk_hash",
+    "check_namespace",
+    "check_token_offset",
 ]
 
 #: ``token_offset`` of a chunk whose position in its stored sequence is not known. Such a
@@ -108,3 +112,24 @@ class ObjectKey:
     @property
     def namespace(self) -> BlendNamespace:
         return BlendNamespace.from_object_key(self)
+
+
+def check_chunk_hash(chunk_hash: Any) -> None:
+    """A chunk hash is bytes (the index's argument rule)."""
+    if not isinstance(chunk_hash, bytes):
+        raise ValueError(f"chunk_hash must be bytes, got {type(chunk_hash).__name__}")
+
+
+def check_token_offset(token_offset: Any) -> int:
+    """A ``token_offset`` is an integer >= -1 (:data:`UNKNOWN_TOKEN_OFFSET`)."""
+    if isinstance(token_offset, bool) or not isinstance(token_offset, Integral):
+        raise ValueError(f"token_offset must be an integer, got {token_offset!r}")
+    if token_offset < UNKNOWN_TOKEN_OFFSET:
+        raise ValueError(f"token_offset must be >= -1, got {token_offset}")
+    return int(token_offset)
+
+
+def check_namespace(ns: Any) -> None:
+    """A namespace argument is a :class:`BlendNamespace`."""
+    if not isinstance(ns, BlendNamespace):
+        raise ValueError(f"namespace must be a BlendNamespace, got {type(ns).__name__}")

@@ -46,7 +46,8 @@ class MatchStats:
     ns_filtered: int = 0  # survivors skipped: no occupant claimed by the requester
     token_rejections: int = 0  # same fingerprint, different tokens
     matches: int = 0
-    occupant_steps: int = 0  # occupants visited by the per-position rule (linear: see _verify_nb)
+    occupant_steps: int = 0  # occupants visited by the per-position rule (linear: see per_position_rule)
+    reprobes: int = 0  # probes run again: slot writes happened while the probe ran (blend_index._match)
     engine_s: float = 0.0
     verify_s: float = 0.0
     engine_name: str = ""

@@ -73,3 +73,67 @@ def test_concurrent_writers_and_readers():
     for m in survivors:
         fresh.add(content_of[m.chunk_hash], m.chunk_hash, m.old_st, NS)
     assert fresh.match(q, NS) == survivors and len(survivors) == st["num_chunks"]
+
+
+def test_a_lookup_sees_a_whole_request_or_none_of_it():
+    """Issue 23: a lookup could see half of one event request (41% of lookups during a
+    300-entry batch saw exactly one of its first and last chunks). Each request here either
+    stores 300 new chunks or gives the same 300 chunk hashes new content (a removal and an
+    add per entry); a reader racing the writer must see every chunk of a request or none:
+    for the query "old contents ++ new contents", all of the old, all of the new, or nothing."""
+    from blendmatch.index import KeyDirectory, pack_kv_rank, wire_batch, wire_entry
+
+    c, k, requests = 4, 300, 24
+    d = KeyDirectory()
+    d.enable_blend_lookup(chunk_size=c, engine="cpu")
+    ns = BlendNamespace("m", "", 1)
+
+    def content(r: int, version: int) -> np.ndarray:  # distinct ids per request and version
+        base = 1 + ((r * 2 + version) * k) * c
+        return np.arange(base, base + k * c, dtype=np.uint32).reshape(k, c)
+
+    def request(r: int, version: int) -> dict:
+        rows = content(r, version)
+        return {"batches": [wire_batch("w", 2 * r + version + 1, "store", [
+            wire_entry((r * k + i).to_bytes(8, "big"), "m", pack_kv_rank(1), token_ids=rows[i].tolist(),
+                       token_offset=i * c) for i in range(k)])]}
+
+    bodies = [request(r, v) for r in range(requests) for v in (0, 1)]
+    queries = [(np.concatenate([content(r, 0).reshape(-1), content(r, 1).reshape(-1)]), ns) for r in range(requests)]
+    started = [0]
+    done = threading.Event()
+    seen: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            for i, body in enumerate(bodies):
+                started[0] = i // 2
+                d.apply(body)
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def reader() -> None:
+        try:
+            reads = 0
+            while not done.is_set() or reads < 50:
+                r = started[0]
+                got = d.blend_index.match_batch([queries[r], queries[max(r - 1, 0)]])
+                for res in got:
+                    old = sum(m.cur_st < k * c for m in res)
+                    seen.append((old, len(res) - old))
+                reads += 1
+        except BaseException as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    partial = [s for s in seen if s not in ((0, 0), (k, 0), (0, k))]
+    assert not partial, f"{len(partial)} of {len(seen)} lookups saw part of a request, e.g. {partial[:5]}"
+    assert {(k, 0), (0, k)} <= set(seen)  # the reader did see whole requests, both kinds

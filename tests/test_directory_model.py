@@ -1,7 +1,8 @@
 """Model test: a random event stream applied to the KeyDirectory gives exactly what a naive
 re-computation from the surviving records gives (matches, token bindings, placements).
 
-The naive model below restates DESIGN.md section 6 in the plainest terms: records are
+The naive model below restates the directory's rules (docs/architecture.md, "What flows
+through, for a STORE") in the plainest terms: records are
 ``key -> set of placement identities``; a chunk hash's content is the last usable content a
 STORE carried for it while it had keys (identical content only updates a known offset);
 a chunk is matchable for a namespace iff its content has the chunk size, its offset is

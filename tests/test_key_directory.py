@@ -479,6 +479,25 @@ def test_list_keys_filters_and_paginates(d, feed):
         d.list_keys(offset=-1)
 
 
+def test_key_page_counts_every_match_and_builds_only_the_page(d, feed, monkeypatch):
+    """GET /directory/keys: one scan counts every matching key; only the page's keys are
+    built (an ObjectKey per key listed, not per key in the directory)."""
+    from blendmatch.index.wire_entries import KeyScope
+
+    feed.store("a", *[E(i) for i in range(1, 8)], backend="cpu")
+    feed.store("b", E(2), E(5), tier="l2", backend="disk")
+    built = []
+    real = KeyScope.object_key
+    monkeypatch.setattr(KeyScope, "object_key", lambda self, h: built.append(h) or real(self, h))
+    page = d.key_page(offset=2, limit=3)
+    assert page.total == 7 and [kp.key.chunk_hash for kp in page.keys] == [H(3), H(4), H(5)]
+    assert built == [H(3), H(4), H(5)]
+    assert page.keys == d.list_keys(offset=2, limit=3)
+    on_l2 = d.key_page(tier="l2", offset=1, limit=5)
+    assert on_l2.total == 2 and [(kp.key.chunk_hash, len(kp.placements)) for kp in on_l2.keys] == [(H(5), 1)]
+    assert d.key_page(instance_id="nobody").total == 0
+
+
 def test_stats_shape(d, feed):
     feed.store("a", E(1, X, offset=0), E(2))
     stats = d.stats()

@@ -174,16 +174,16 @@ async def test_engine_failure_reaches_every_request_then_service_recovers(monkey
     async with served() as (client, app):
         await client.post("/events", json=events(store("i1", 1, rows)))
         index = app.state.blendmatch_context.directory.blend_index
-        real = index.match_batch_detailed
+        real = index.match_flat  # what the lookup thread calls
         calls = {"n": 0}
 
-        def flaky(queries):
+        def flaky(*args):
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("device lost")
-            return real(queries)
+            return real(*args)
 
-        monkeypatch.setattr(index, "match_batch_detailed", flaky)
+        monkeypatch.setattr(index, "match_flat", flaky)
         body = {"tokens_b64": b64(rows[0]), "model_name": MODEL}
         r = await client.post("/directory/blend-lookup", json=body)
         assert r.status_code == 500 and r.headers["content-type"] == "application/json"
