@@ -48,8 +48,8 @@ router = APIRouter(tags=["events"])
 EVENT_REQUEST_SCHEMA_NAME = "EventRequestModel"
 
 
-def _decode_and_apply(directory: KeyDirectory, raw: bytes,
-                      may_act_for: Callable[[str], bool] | None = None, max_instances: int | None = None) -> ApplyReport:
+def _decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: Callable[[str], bool] | None = None,
+                      max_instances: int | None = None) -> ApplyReport:
     """Events thread: JSON-decode, validate whole, check every batch's instance id against
     the caller's producer patterns (``may_act_for``; None: any instance) and against the
     bound on tracked instance ids (``max_instances``; None: none), apply. Raises 422-mapped
