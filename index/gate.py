@@ -96,6 +96,11 @@ class IngestGate:
         Idempotent."""
         return self._cursors.pop(instance_id, None) is not None
 
+    @property
+    def tracked(self) -> int:
+        """Instances with a cursor."""
+        return len(self._cursors)
+
     def cursor(self, instance_id: str) -> Optional[InstanceCursor]:
         """The instance's ``(incarnation, last_seq)``, or None if never seen."""
         return self._cursors.get(instance_id)

@@ -153,6 +153,13 @@ class KeyDirectory:
         with self._lock:
             return self._ingest.apply_run(requests)
 
+    def unknown_instances(self, instance_ids: Iterable[str]) -> tuple[int, list[str]]:
+        """``(instances with an event cursor, those of instance_ids without one)``: what a
+        bound on tracked instances needs, without copying every cursor."""
+        with self._lock:
+            gate = self._ingest.gate
+            return gate.tracked, [i for i in dict.fromkeys(instance_ids) if gate.cursor(i) is None]
+
     def drop_instance(self, instance_id: str, *, forget_capacity: bool = True) -> FenceResult:
         """The instance left: fence its private L1 placements and forget its event cursor (a
         later reconnect starts fresh at any incarnation); with ``forget_capacity`` (a

@@ -258,6 +258,7 @@ def _serve(argv: Sequence[str]) -> int:
     import uvicorn
 
     from .app import create_app
+    from .limits import HttpLimits, raise_open_file_limit
 
     import signal
 
@@ -285,18 +286,32 @@ def _serve(argv: Sequence[str]) -> int:
     # 5 ms several times (batches took ~15 ms instead of ~1 ms). 0.1 ms bounds that wait
     # (measured against 0.5 ms: 10-15% more lookups/s under the load test).
     sys.setswitchinterval(float(os.environ.get("BLENDMATCH_SWITCH_INTERVAL_S", "0.0001")))
+    # The HTTP limits (header bytes, read timeouts, connections, bytes in flight) live in the
+    # protocol uvicorn runs per connection, so they bite while reading (service/limits.py).
+    metrics = app.state.blendmatch_context.metrics
+    limits = HttpLimits.from_config(config, registry=metrics.registry,
+                                    on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
+    raise_open_file_limit(config.max_connections)
     # Half of --graceful-timeout for in-flight requests; the rest is for the events thread
     # and the final checkpoint (the watchdog in _GracefulServer bounds the whole stop).
     # proxy_headers=False: the peer address that the allowlists check is the socket's, never a
     # header a client could write.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                access_log=config.access_log, proxy_headers=False, **uvicorn_tls_kwargs(config),
+                               http=limits.protocol_class, ws="none",  # no WebSocket routes here
                                timeout_graceful_shutdown=max(1, int(config.graceful_timeout / 2)),
                                timeout_keep_alive=int(config.timeout_keep_alive) if config.timeout_keep_alive.is_integer()
                                else config.timeout_keep_alive)
     server = _graceful_server_class(uvicorn.Server)(uv_config, config.graceful_timeout)
     context = app.state.blendmatch_context
     context.on_fatal = server.fail
+    from .durability import CheckpointRequired
+
+    try:  # before the port opens: a directory, a file not ours, a path another server holds
+        context.durability.prepare()
+    except CheckpointRequired as exc:
+        logging.getLogger("blendmatch.service").critical("%s", exc)
+        return 1
     if args.reuse_port:  # a --workers child: its own socket on the shared port
         from .workers import listen_socket
 
@@ -314,6 +329,8 @@ def _serve(argv: Sequence[str]) -> int:
         server.run()
     if context.fatal is not None or server.exit_code:
         return server.exit_code or 1
+    if context.durability.final_error is not None:  # logged at ERROR by the stop
+        return 1
     return 0
 
 

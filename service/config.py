@@ -33,6 +33,10 @@ Limits and why they exist:
   collector's permanent generation, so that full collections stop walking the directory
   (docs/service.md). One default for ``serve`` and for an app built in-process.
 
+- ``max_header_bytes``, ``header_timeout``, ``body_timeout``, ``max_connections`` and
+  ``max_bytes_in_flight`` bound what hostile or broken clients can hold: see
+  ``service/limits.py`` and docs/security.md.
+
 Each field is also a ``serve`` flag: see the class docstring and ``service/flags.py``.
 """
 
@@ -62,6 +66,7 @@ _UPSTREAM = "in front of an LMCache coordinator (docs/lmcache.md)"
 _DURABILITY = "durability (docs/operations.md)"
 _FLEET = "fleet transport (docs/fleet.md)"
 _KV_EVENTS = "vLLM KV events for routers (docs/kv-events.md)"
+_LIMITS = "HTTP limits, enforced while reading (docs/security.md)"
 
 
 class ServiceConfig(BaseModel):
@@ -124,6 +129,11 @@ class ServiceConfig(BaseModel):
                     "permanent generation (about 35k stored 256-token entries per 64 MiB); 0 = never",
         json_schema_extra={"shown": "64 MiB"})
 
+    max_instances: int = Field(
+        default=10_000, ge=1,
+        description="distinct instance ids tracked (event cursors, registrations); a request that would add one "
+                    "more is a 429 with nothing applied; ids leave when their instance deregisters or expires")
+
     # access and TLS (service/access.py, docs/security.md)
     access_file: str | None = Field(
         default=None,
@@ -158,6 +168,26 @@ class ServiceConfig(BaseModel):
                                       description="body bytes of the forwards waiting for the upstream; past it the "
                                                   "oldest are dropped and counted",
                                       json_schema_extra={"shown": "256 MiB", "group": _UPSTREAM})
+
+    # HTTP limits enforced while reading (service/limits.py, docs/security.md)
+    max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20,
+                                  description="bytes of one request's line and headers; more is a 431",
+                                  json_schema_extra={"group": _LIMITS, "shown": "64 KiB"})
+    header_timeout: float = Field(default=10.0, gt=0.0, le=300.0,
+                                  description="seconds to receive a request's headers, from connect or its first "
+                                              "byte; then a 408 (a connection that sent nothing is closed)",
+                                  json_schema_extra={"group": _LIMITS})
+    body_timeout: float = Field(default=30.0, gt=0.0, le=3600.0,
+                                description="seconds to receive a request's whole body after its headers; then a 408",
+                                json_schema_extra={"group": _LIMITS})
+    max_connections: int = Field(default=1000, ge=1,
+                                 description="open HTTP connections; one more is answered 503 and closed",
+                                 json_schema_extra={"group": _LIMITS})
+    max_bytes_in_flight: int = Field(default=256 << 20, ge=1 << 16,
+                                     description="request body bytes held for unanswered requests plus response "
+                                                 "bytes not yet read by clients, over all connections; more is a 503 "
+                                                 "and close (a connection not reading its responses is aborted)",
+                                     json_schema_extra={"group": _LIMITS, "shown": "256 MiB"})
 
     # durability (service/durability.py); LMCache 0.5.6's names and defaults for the first two
     checkpoint_path: str = Field(default="", description="checkpoint file, restored at start and written "
@@ -256,6 +286,9 @@ class ServiceConfig(BaseModel):
         if self.max_body_bytes is None:
             object.__setattr__(self, "max_body_bytes",
                                self.max_request_tokens * BODY_BYTES_PER_TOKEN + BODY_SLACK_BYTES)
+        if self.max_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(f"max_bytes_in_flight ({self.max_bytes_in_flight}) must be at least max_body_bytes "
+                             f"({self.max_body_bytes}): a request of the largest allowed body could never be read")
         return self
 
     @property

@@ -196,6 +196,12 @@ class ServiceContext:
         return {"name": index.engine.name, "reason": index.engine.reason}
 
     async def start(self) -> None:
+        try:  # the checkpoint path is checked and locked before anything else (durability.py)
+            self.durability.prepare()
+        except CheckpointRequired as exc:
+            self.fatal = exc
+            log.critical("%s", exc)
+            raise
         self._events_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blendmatch-events")
         if self.kv_events is not None:  # its sockets first: a bad endpoint stops the start-up here
             self.kv_events.start()
@@ -267,8 +273,14 @@ class ServiceContext:
         if self.durability.enabled and self.durability.restored and self.fatal is None:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self.durability.checkpoint_now, "final")
-            except Exception:  # noqa: BLE001 - logged by checkpoint_now; the previous one stands
-                pass
+            except Exception as exc:  # noqa: BLE001 - the previous one stands; the exit status says so
+                dur = self.durability
+                dur.final_error = f"{type(exc).__name__}: {exc}"
+                last = ("no checkpoint written by this process" if dur.last_at is None else
+                        f"the last one written at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(dur.last_at))}")
+                log.error("final checkpoint to %s failed (%s): a restart restores %s, and what was applied after it "
+                          "is lost; exiting non-zero", dur.path, dur.final_error, last)
+        self.durability.release()
 
     # ------------------------------------------------------------------ lookups
     def check_tokens(self, n: int) -> None:

@@ -20,16 +20,36 @@ LMCache 0.5.6's flags, same names and defaults: ``--checkpoint-path`` (empty: of
   LMCache does; with ``--require-checkpoint`` the server exits non-zero instead. A file
   from a server with another chunk size, stride or filter is never set aside: the server
   refuses to start (an operator error, not corruption).
+- **The path is checked and locked before anything is read** (:meth:`Durability.prepare`,
+  called by ``blendmatch serve`` before the port opens and again by the lifespan): a
+  path naming a directory, or whose directory does not exist, is a start error; so is a
+  file that does not begin with the checkpoint magic (this server did not write it, so it
+  is never renamed, moved or overwritten). ``<path>.lock`` is then locked exclusively
+  (``flock``) for the process's life: a second server on the same path refuses to start
+  and names the holder's pid. The lock file stays (removing it would race a starting
+  server); the lock goes with the process, even after ``SIGKILL``. Only a file that
+  begins with the magic and then fails to read (truncated, checksum, unknown version) is
+  set aside as ``<path>.corrupt-<unix time>``.
 - **Checkpoints** (periodic thread, ``POST /admin/checkpoint``, the graceful stop) are
   serialized by one lock; each pauses ingest only while the process forks
   (``index/checkpoint.py``). Extra sections (the instance registry, a log position) are
   registered with :meth:`Durability.register_section`: ``snapshot()`` is called with
   ingest paused and must return a JSON-able document; ``restore(doc)`` is called after the
   directory was restored, before the server reports ready.
+- **A failing disk** (full, read-only, gone): every failed checkpoint is logged at ERROR and
+  counted (``blendmatch_checkpoints_total{outcome="failed"}``);
+  ``blendmatch_checkpoint_failing`` is 1 and ``blendmatch_checkpoint_consecutive_failures``
+  counts while the latest attempt failed, and ``/readyz`` names the failure in a
+  ``warnings`` list while staying 200: the replica still answers every lookup correctly,
+  and taking every replica of a fleet whose shared volume filled up out of rotation would
+  turn lost durability into an outage. Alert on the gauge. A stop whose final checkpoint
+  failed logs an ERROR saying what is lost and exits non-zero (``final_error``).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import threading
@@ -40,7 +60,7 @@ from typing import Any, Callable, Optional
 from prometheus_client import Counter, Gauge
 
 from blendmatch.index.checkpoint import CaptureResult, IncompatibleCheckpoint, RestoreResult, capture, restore_directory
-from blendmatch.index.ckpt_file import CheckpointError, read_checkpoint, remove_stale_temporaries
+from blendmatch.index.ckpt_file import MAGIC, CheckpointError, read_checkpoint, remove_stale_temporaries
 from blendmatch.index.key_directory import KeyDirectory
 
 __all__ = ["CheckpointRequired", "Durability", "SectionHooks"]
@@ -81,6 +101,12 @@ class Durability:
         self.last: Optional[CaptureResult] = None
         self.last_at: Optional[float] = None
         self.last_error: Optional[str] = None
+        #: Failed attempts since the last checkpoint written, and when the first of them failed.
+        self.consecutive_failures = 0
+        self.failing_since: Optional[float] = None
+        #: Why the final checkpoint of the stop failed (None: it did not fail, or none was due).
+        self.final_error: Optional[str] = None
+        self._lock_fd: Optional[int] = None
         r = registry
         self.m_last_time = Gauge("blendmatch_checkpoint_last_time_seconds",
                                  "unix time of the last checkpoint written", registry=r)
@@ -94,6 +120,10 @@ class Durability:
                                "time the start-up restore took (0: cold start)", registry=r)
         self.m_restore_fail = Counter("blendmatch_checkpoint_restore_failures",
                                       "checkpoints that could not be restored", ["reason"], registry=r)
+        self.m_failing = Gauge("blendmatch_checkpoint_failing",
+                               "1 while the latest checkpoint attempt failed (the previous file stands)", registry=r)
+        self.m_consecutive = Gauge("blendmatch_checkpoint_consecutive_failures",
+                                   "checkpoint attempts failed in a row since the last one written", registry=r)
 
     @property
     def enabled(self) -> bool:
@@ -105,6 +135,71 @@ class Durability:
             raise ValueError(f"section name {name!r} is reserved")
         self._sections[name] = SectionHooks(snapshot, restore)
 
+    # ------------------------------------------------------------------ path and lock
+    @property
+    def lock_path(self) -> str:
+        return f"{self.path}.lock"
+
+    def prepare(self) -> None:
+        """Check the path and take ``<path>.lock`` (module docstring); idempotent. Raises
+        :class:`CheckpointRequired` with the reason when the server must not start."""
+        if not self.path or self._lock_fd is not None:
+            return
+        path = self.path
+        if os.path.isdir(path):
+            raise CheckpointRequired(f"--checkpoint-path {path} is a directory; name a file in it (for example "
+                                     f"{os.path.join(path, 'blendmatch.ckpt')}); nothing was moved")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise CheckpointRequired(f"--checkpoint-path {path}: {parent} is not a directory (create it first)")
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise CheckpointRequired(f"--checkpoint-path {path}: cannot open the lock file {self.lock_path}: "
+                                     f"{exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointRequired(f"--checkpoint-path {path} is in use by another blendmatch server (pid "
+                                         f"{holder} holds {self.lock_path}); give each server its own path") from None
+            raise CheckpointRequired(f"--checkpoint-path {path}: cannot lock {self.lock_path}: "
+                                     f"{exc.strerror or exc}") from None
+        try:
+            self._check_ours(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    @staticmethod
+    def _check_ours(path: str) -> None:
+        """A file at ``path`` that does not begin with the checkpoint magic was not written
+        by a blendmatch server: never set it aside or overwrite it."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(len(MAGIC))
+        except FileNotFoundError:
+            return
+        except OSError as exc:  # unreadable: the restore reports it (and sets the file aside)
+            log.debug("cannot read the head of %s: %s", path, exc)
+            return
+        if head != MAGIC:
+            what = "empty" if not head else "not a blendmatch checkpoint (no checkpoint magic)"
+            raise CheckpointRequired(f"--checkpoint-path {path} names a file that is {what}; this server did not "
+                                     "write it, so it will not move or overwrite it: move it away or name another "
+                                     "path")
+
+    def release(self) -> None:
+        """Drop ``<path>.lock`` (the stop's last step; the file stays)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
     # ------------------------------------------------------------------ restore
     def restore_at_start(self) -> None:
         """Restore the checkpoint into the (empty) directory, or start cold; see the module
@@ -112,6 +207,7 @@ class Durability:
         if not self.path:
             self.restored = True
             return
+        self.prepare()
         self._restore()
         remove_stale_temporaries(self.path)
         self.restored = True
@@ -129,9 +225,10 @@ class Durability:
         except CheckpointError as exc:
             self._set_aside(exc)
             return
-        except OSError as exc:
-            self._set_aside(CheckpointError(f"cannot read: {exc}"))
-            return
+        except OSError as exc:  # nothing says whose file it is: never moved (start error)
+            self.m_restore_fail.labels("unreadable").inc()
+            raise CheckpointRequired(f"checkpoint {path} cannot be read: {exc.strerror or exc}; fix its permissions "
+                                     "or storage, or move it away") from None
         directory = self._directory()
         try:
             with ckpt:
@@ -183,9 +280,18 @@ class Durability:
             except Exception as exc:
                 self.m_written.labels("failed").inc()
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                log.error("checkpoint (%s) to %s failed: %s; the previous one stands", why, self.path, exc)
+                self.consecutive_failures += 1
+                if self.failing_since is None:
+                    self.failing_since = time.time()
+                self.m_failing.set(1)
+                self.m_consecutive.set(self.consecutive_failures)
+                log.error("checkpoint (%s) to %s failed (%d in a row): %s; the previous one stands", why, self.path,
+                          self.consecutive_failures, exc)
                 raise
             self.last, self.last_at, self.last_error = result, time.time(), None
+            self.consecutive_failures, self.failing_since = 0, None
+            self.m_failing.set(0)
+            self.m_consecutive.set(0)
             self.m_written.labels("written").inc()
             self.m_last_time.set(self.last_at)
             self.m_duration.set(result.total_s)
@@ -235,6 +341,16 @@ class Durability:
                     reasons.append(f"event log lag {lag} > --max-ready-lag {self.max_ready_lag}")
         return not reasons, reasons
 
+    def warnings(self) -> list[str]:
+        """What ``/readyz`` reports without going not-ready: failing checkpoints."""
+        if not self.consecutive_failures:
+            return []
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.failing_since or time.time()))
+        last_ok = ("none written by this process" if self.last_at is None else
+                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.last_at)))
+        return [f"checkpoint failing: {self.consecutive_failures} attempts in a row since {since} "
+                f"({self.last_error}); last written: {last_ok}; a restart now loses what was applied since"]
+
     def status(self) -> dict[str, Any]:
         last = self.last
         return {"path": self.path or None, "interval_s": self.interval_s, "restored": self.restored,
@@ -244,4 +360,4 @@ class Durability:
                 "last": None if last is None else {"time": self.last_at, "bytes": last.bytes,
                                                    "seconds": last.total_s, "pause_s": last.pause_s,
                                                    "info": last.info},
-                "last_error": self.last_error}
+                "last_error": self.last_error, "consecutive_failures": self.consecutive_failures}

@@ -6,7 +6,8 @@ Class tree::
     ├── RequestRejected          the caller's fault: a 4xx with a stable JSON body
     │   ├── InvalidRequest       422: a field is missing, mistyped or undecodable
     │   ├── Forbidden            403: the credential may not do this (e.g. act for that instance)
-    │   └── LimitExceeded        413: the body or the token count is over a configured limit
+    │   ├── LimitExceeded        413: the body or the token count is over a configured limit
+    │   └── TooManyInstances     429: one more distinct instance id than ``max_instances``
     ├── ServiceUnavailable       503: the batcher is not running (starting up / shutting down)
     └── BatchError               the batcher's own failures (never the caller's fault)
         └── BatchOutputMismatch  run_batch returned a different number of results than inputs
@@ -26,6 +27,7 @@ __all__ = [
     "RequestRejected",
     "InvalidRequest",
     "LimitExceeded",
+    "TooManyInstances",
     "Forbidden",
     "ServiceUnavailable",
     "BatchError",
@@ -59,6 +61,13 @@ class LimitExceeded(RequestRejected):
     """The body or the token count is over a configured limit (413)."""
 
     status_code = 413
+
+
+class TooManyInstances(RequestRejected):
+    """The request would add a distinct instance id past ``max_instances`` (429; nothing of
+    it applied). Ids leave when their instance deregisters or expires."""
+
+    status_code = 429
 
 
 class NotSupported(ServiceError):

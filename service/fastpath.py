@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 _Answer = Callable[[ServiceContext, Any, Any], Awaitable[bytes]]
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _HEALTHY = b'{"status":"healthy"}'
+#: Bytes JSON forbids unescaped inside a string (RFC 8259, section 7).
+_JSON_CONTROL = bytes(range(0x20))
 
 
 class FastPath:
@@ -108,6 +110,12 @@ class FastPath:
         try:
             payload = await answer(self.context, parsed, tokens)
         except ServiceError as exc:  # 4xx (a token that does not decode, a limit) and 503
+            if (exc.status_code == 422 and isinstance(tokens, (bytes, memoryview))
+                    and len(bytes(tokens).translate(None, _JSON_CONTROL)) != len(tokens)):
+                # a raw control character inside the string: the body is not JSON, which the
+                # route says in its own words (checked only here, off the hot path)
+                await self.app(scope, _replay(body, tail, receive), send)
+                return
             await service_error_response(exc, self.context.metrics, f"POST {path}")(scope, receive, send)
             return
         except Exception as exc:  # noqa: BLE001 - a bug or an engine failure: a JSON 500

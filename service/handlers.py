@@ -170,7 +170,11 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
             # FastAPI's body reader decodes JSON with json.loads and turns whatever is not a
             # JSONDecodeError (invalid UTF-8, recursion depth) into a bare 400; the contract
             # says a body that is not JSON is a 422 like any other schema error.
-            why = "nested too deeply" if isinstance(cause, RecursionError) else f"{type(cause).__name__}: {cause}"
+            why = ("nested too deeply" if isinstance(cause, RecursionError) else
+                   # Python's int() refuses over 4,300 digits and suggests a setting of the
+                   # server's interpreter; the client only needs to know the number is too big
+                   "number out of range (an integer of more than 4300 digits)"
+                   if "integer string conversion" in str(cause) else f"{type(cause).__name__}: {cause}")
             detail, errors = format_validation_errors([{"type": "json_invalid", "loc": ("body",),
                                                         "msg": "JSON decode error", "ctx": {"error": why[:200]}}])
             return reject(422, {"detail": detail, "errors": errors})

@@ -34,7 +34,7 @@ from blendmatch.index.wire import EventValidationError, parse_event_body
 
 from .access import instance_filter
 from .context import Ctx, ServiceContext
-from .errors import Forbidden
+from .errors import Forbidden, TooManyInstances
 from .routes_lookup import ERROR_RESPONSES
 from .schemas import CacheEventsResponse
 
@@ -48,11 +48,13 @@ router = APIRouter(tags=["events"])
 EVENT_REQUEST_SCHEMA_NAME = "EventRequestModel"
 
 
-def _decode_and_apply(directory: KeyDirectory, raw: bytes,
-                      may_act_for: Callable[[str], bool] | None = None) -> ApplyReport:
+def _decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: Callable[[str], bool] | None = None,
+                      max_instances: int | None = None) -> ApplyReport:
     """Events thread: JSON-decode, validate whole, check every batch's instance id against
-    the caller's producer patterns (``may_act_for``; None: any instance), apply. Raises
-    422-mapped errors, or :class:`Forbidden` (403) with nothing applied."""
+    the caller's producer patterns (``may_act_for``; None: any instance) and against the
+    bound on tracked instance ids (``max_instances``; None: none), apply. Raises 422-mapped
+    errors, :class:`Forbidden` (403) or :class:`TooManyInstances` (429) with nothing applied.
+    On the events thread, so the count cannot change between the check and the apply."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
@@ -68,6 +70,12 @@ def _decode_and_apply(directory: KeyDirectory, raw: bytes,
                 raise Forbidden(f"body.batches.{i}.instance_id: this credential may not send events for instance "
                                 f"{json.dumps(log_safe(batch.instance_id))} (its instance patterns do not match; "
                                 f"see docs/security.md); nothing was applied")
+    if max_instances is not None:
+        tracked, new = directory.unknown_instances(batch.instance_id for batch in request.batches)
+        if new and tracked + len(new) > max_instances:
+            raise TooManyInstances(f"body.batches: instance {json.dumps(log_safe(new[0]))} would be one more than the "
+                                   f"{max_instances} instance ids this server tracks (--max-instances; {tracked} now); "
+                                   "ids leave when their instance deregisters or expires; nothing was applied")
     return directory.apply_detailed(request)
 
 
@@ -98,7 +106,7 @@ async def answer_events(ctx: ServiceContext, raw: bytes, may_act_for: Callable[[
     if ctx.source is not None:  # Kafka mode: append to the topic (docs/fleet.md, reply format there)
         return await _publish(ctx, raw, may_act_for)
     t0 = time.perf_counter()
-    report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw, may_act_for)
+    report = await ctx.run_event_task(_decode_and_apply, ctx.directory, raw, may_act_for, ctx.config.max_instances)
     ctx.note_ingested(len(raw))
     counts = report.counts
     ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,

@@ -33,7 +33,7 @@ from blendmatch.index.logsafe import log_safe
 
 from .access import instance_filter
 from .context import Ctx
-from .errors import Forbidden
+from .errors import Forbidden, TooManyInstances
 from .routes_lookup import ERROR_RESPONSES
 
 __all__ = ["router", "RegisterRequest", "RegisterResponse", "HeartbeatResponse"]
@@ -120,6 +120,10 @@ async def register_instance(body: RegisterRequest, ctx: Ctx, request: Request) -
         raise Forbidden(f"body.instance_id: this credential may not register instance "
                         f"{log_safe(body.instance_id)!r} (its instance patterns do not match; a blank id "
                         "cannot match; see docs/security.md)")
+    limit = ctx.config.max_instances
+    if (not body.instance_id or not ctx.registry.contains(body.instance_id)) and len(ctx.registry) >= limit:
+        raise TooManyInstances(f"body.instance_id: registering one more instance than the {limit} this server "
+                               "tracks (--max-instances); ids leave when their instance deregisters or expires")
     if ctx.source is not None:  # Kafka mode: through the log, so every replica's registry agrees
         instance_id = body.instance_id or f"mp-{uuid.uuid4().hex}"
         again = ctx.registry.contains(instance_id)

@@ -38,11 +38,15 @@ async def metrics(ctx: Ctx) -> Response:
 async def readyz(ctx: Ctx) -> Response:
     """Readiness: 503 until the start-up checkpoint restore is done and, when events come
     from a log, until its lag is at most ``--max-ready-lag``; the body says why. Unlike
-    ``/healthz`` (liveness), a restoring server is alive but not ready."""
+    ``/healthz`` (liveness), a restoring server is alive but not ready. Failing checkpoints
+    add a ``warnings`` list and leave the status as it is: the answers are still right."""
     ready, reasons = ctx.durability.readiness()
     if ctx.fatal is not None:
         ready, reasons = False, [f"fatal: {ctx.fatal}"]
-    body = {"status": "ready"} if ready else {"status": "not ready", "reasons": reasons}
+    body: dict[str, object] = {"status": "ready"} if ready else {"status": "not ready", "reasons": reasons}
+    warnings = ctx.durability.warnings()  # failing checkpoints: still ready (durability.py says why)
+    if warnings:
+        body["warnings"] = warnings
     return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type="application/json")
 
 
