@@ -3,7 +3,7 @@
 Why: a STORE of 1,000 chunks of 256 tokens is 256,000 msgpack integers. In numpy (masks
 per integer width) it cost about 20 us per chunk and held the GIL for most of it, which
 halved the ingest rate beside it; this kernel writes every event of a block, hashes,
-constants and tokens, without the GIL, in one pass (about 1 us per 256-token chunk on the
+constants and tokens, without the GIL, in one pass (about 1.8 us per 256-token chunk on the
 2-core dev VM).
 """
 
