@@ -51,6 +51,7 @@ from .bindings import Binding, BindingStore, FenceResult, Member
 from .blend_index import BlendIndex
 from .capacity import CapacityDeclarations, UsageLedger
 from .gate import Admission, IngestGate
+from .holders import HolderWatch
 from .indexable import NOT_INDEXABLE_REASONS, content_indexable, indexable_reason, namespace_indexable
 from .logsafe import log_safe
 from .placements import L1, SHARED_POOL_INSTANCE, Placement, placement_ident
@@ -183,6 +184,7 @@ class IngestPath:
         self.index = index
         self._adds = _IndexAdds()
         self._holding = False  # the index's write lock is held until the run ends
+        self.watch: Optional[HolderWatch] = None  # the holder-set hook (holders.py), if any
         store.before_index_write = self._hold_index
         self.entries_stored = 0
         self.entries_deleted = 0
@@ -215,9 +217,18 @@ class IngestPath:
     def fence(self, instance_id: str) -> FenceResult:
         """Fence ``instance_id``'s private L1 placements (``BindingStore.fence``), seen by
         lookups all at once."""
+        watch = self.watch
         try:
             self._flush()
-            return self.store.fence(instance_id)
+            if watch is None:
+                return self.store.fence(instance_id)
+            token = watch.before_fence(self.store.bindings, instance_id, self.store.l1_chunks.get(instance_id))
+            try:  # a fence from outside the event stream: a batch boundary of its own
+                result = self.store.fence(instance_id)
+                watch.after_fence(self.store.bindings, token)
+            finally:
+                watch.commit()
+            return result
         finally:
             self._release_index()
 
@@ -254,26 +265,41 @@ class IngestPath:
                 continue
             if verdict is not Admission.APPLY or not self._defers(batch):
                 self._flush()  # every other write sees the index as if applied in order
-            if verdict is Admission.FENCE_AND_APPLY:
-                result = self.store.fence(batch.instance_id)
-                log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
-                         log_safe(batch.instance_id), batch.incarnation, result.placements)
-            kind = batch.event_type
-            if kind == "store":
-                self._classify_store(batch, skipped)
-                self._store(batch)
-            elif kind == "delete":
-                self.store.delete(batch)
-                self.entries_deleted += len(batch.entries)
-            elif kind == "access":
-                self.entries_accessed += len(batch.entries)
-            else:
-                self._config(batch)
+            watch = self.watch
+            seen = None
+            try:
+                if verdict is Admission.FENCE_AND_APPLY:
+                    fence = watch.before_fence(self.store.bindings, batch.instance_id,
+                                               self.store.l1_chunks.get(batch.instance_id)) if watch else None
+                    result = self.store.fence(batch.instance_id)
+                    if watch:
+                        watch.after_fence(self.store.bindings, fence)  # type: ignore[arg-type]
+                    log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
+                             log_safe(batch.instance_id), batch.incarnation, result.placements)
+                seen = watch.before_batch(self.store.bindings, batch) if watch else None
+                self._apply_batch(batch, skipped)
+            finally:
+                if watch:  # also after a failure: compare whatever the batch changed
+                    watch.after_batch(self.store.bindings, batch, seen, settle=self._flush)
+                    watch.commit()
             applied += 1
             entries += len(batch.entries)
         self.entries_applied += entries
         return ApplyReport(ApplyCounts(applied, duplicates, stale), entries,
                            {k: v for k, v in skipped.items() if v})
+
+    def _apply_batch(self, batch: EventBatch, skipped: dict[str, int]) -> None:
+        kind = batch.event_type
+        if kind == "store":
+            self._classify_store(batch, skipped)
+            self._store(batch)
+        elif kind == "delete":
+            self.store.delete(batch)
+            self.entries_deleted += len(batch.entries)
+        elif kind == "access":
+            self.entries_accessed += len(batch.entries)
+        else:
+            self._config(batch)
 
     def _defers(self, batch: EventBatch) -> bool:
         """Whether ``batch`` may go on without a flush: a STORE of distinct chunk hashes, none

@@ -254,7 +254,8 @@ class ServiceConfig(BaseModel):
         default=100_000, ge=1, description="messages waiting to be sent; past it they are dropped (counted), "
         "never blocking ingest", json_schema_extra={"group": _KV_EVENTS})
     kv_events_encoding: Literal["map", "array"] = Field(
-        default="map", description="map: tagged maps (vLLM >= 0.30); array: tagged arrays (older vLLM)",
+        default="map", description="map: tagged maps (newer vLLM: 0.30, 0.32, 0.33 checked); array: tagged arrays "
+        "(older vLLM, e.g. 0.20)",
         json_schema_extra={"group": _KV_EVENTS})
     kv_events_int_hashes: bool = Field(
         default=False, description="block hashes as the low 64 bits (int), as VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES; "
