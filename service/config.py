@@ -62,7 +62,8 @@ class ServiceConfig(BaseModel):
     blend_probe_stride: int = Field(default=1, ge=1, description="query positions between probes")
     enable_blend_lookup: bool = Field(default=True, description="index chunk content for blend lookups")
     engine: EngineName = "auto"
-    max_batch_tokens: int = Field(default=1 << 18, ge=1, description="token budget of one engine batch")
+    # at most 2^31 - 1: the GPU engine's scans (CuPy) take lengths as a C int (issue 27)
+    max_batch_tokens: int = Field(default=1 << 18, ge=1, le=2**31 - 1, description="token budget of one engine batch")
     max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
     max_request_tokens: int = Field(default=DEFAULT_MAX_REQUEST_TOKENS, ge=1)
     max_body_bytes: int | None = Field(default=None, ge=1024, description="None: derived from max_request_tokens")

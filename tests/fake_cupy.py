@@ -66,6 +66,10 @@ class _Device:
         self.limit: int | None = None
         self.pools: weakref.WeakSet = weakref.WeakSet()
         self.allocations: list[int] = []
+        self.h2d: list[int] = []  # bytes of each copy_from_host_async
+        self.peak = 0
+        #: CuPy's scans take the length as a C int; a longer scan gives wrong answers silently
+        self.scan_int_max = 2**31 - 1
 
     def held(self) -> int:
         return sum(p.total_bytes() for p in self.pools)
@@ -73,6 +77,9 @@ class _Device:
     def reset(self) -> None:
         self.limit = None
         self.allocations.clear()
+        self.h2d.clear()
+        self.peak = 0
+        self.scan_int_max = 2**31 - 1
 
 
 DEVICE = _Device()
@@ -134,6 +141,7 @@ class MemoryPool:
                     raise OutOfMemoryError(size, self.total_bytes(), self._limit or DEVICE.limit or 0)
         self._used += block
         DEVICE.allocations.append(int(nbytes))
+        DEVICE.peak = max(DEVICE.peak, DEVICE.held())
         return block
 
     def give_back(self, block: int) -> None:
@@ -191,6 +199,7 @@ class MemoryPointer:
 
     def copy_from_host_async(self, mem: ctypes.c_void_p, size: int, stream: Any = None) -> None:
         _stream_of(stream)
+        DEVICE.h2d.append(int(size))
         ctypes.memmove(self.ptr, mem.value, int(size))  # device work runs at once, in order
 
     def copy_to_host_async(self, mem: ctypes.c_void_p, size: int, stream: Any = None) -> None:
@@ -513,10 +522,13 @@ def _make_cupy() -> types.ModuleType:
 
     def cumsum(a, axis=None, dtype=None, out=None):
         a = a.view(np.ndarray) if isinstance(a, DevArray) else a
+        res = np.cumsum(a, axis=axis, dtype=dtype)
+        if res.size > DEVICE.scan_int_max:  # CuPy: the length cast to int; past it, garbage
+            res[DEVICE.scan_int_max:] = 0
         if out is not None:
-            np.cumsum(a, axis=axis, dtype=dtype, out=out.view(np.ndarray))
+            np.copyto(out.view(np.ndarray), res)
             return out
-        return _dev(np.cumsum(a, axis=axis, dtype=dtype))
+        return _dev(res)
 
     def asarray(a, dtype=None):
         if isinstance(a, DevArray) and (dtype is None or a.dtype == dtype):
