@@ -16,44 +16,65 @@ One batch (``CupyEngine.probe``), all on one non-blocking stream, under the engi
 3. **Kernels** (``kernels="fused"``, the default):
    a. ``H = fingerprint.prefix_fingerprints(tokens, C, cupy)`` -- THE hash in its prefix
       form, as CuPy array operations (multiply, cumsum, subtract, multiply);
-   b. ``bm_flag_kernel`` (RawKernel, one thread per window, grid-stride): window -> query by
-      binary search in ``wbase`` -> ``fp = H[start]`` -> fmix64 -> slot, tag -> one table load
-      -> ``flag[w] = (v == tag) | (v == 255)``;
-   c. ``pos = cupy.cumsum(flag)`` (CUB scan);
-   d. ``bm_scatter_kernel``: survivor ``w`` writes row ``pos[w] - 1`` = ``[q, cur_st, fp]``
+   b. ``bm_flag_kernel`` (RawKernel, grid-stride over the windows, at most
+      ``BLOCKS_PER_SM`` blocks per SM): window -> query by binary search in ``wbase`` ->
+      ``fp = H[start]`` -> fmix64 -> slot, tag -> one table load ->
+      ``flag[w] = (v == tag) | (v == 255)``;
+   c. ``pos = cupy.cumsum(flag)`` (CUB scan), and the survivor count ``n = pos[W-1]`` is read
+      back (8 bytes: **synchronisation 1**);
+   d. an output of exactly ``n`` rows (24 bytes per survivor, not per window), and
+      ``bm_scatter_kernel``: survivor ``w`` writes row ``pos[w] - 1`` = ``[q, cur_st, fp]``
       (order-preserving: rows ascend with ``w``, i.e. with ``(query, cur_st)``).
    ``kernels="array"`` runs ``xp_probe.ArrayProbe`` with ``xp=cupy`` instead (the exact lines
-   CI runs on numpy; more launches, no custom CUDA).
-4. **Copy-back**: the survivor count ``pos[W-1]`` is read (8 bytes, the one synchronisation),
-   then the packed ``(n, 3)`` uint64 rows come back in one device-to-host copy into a pinned
-   buffer, and are unpacked into fresh host arrays.
+   CI runs on numpy; more launches, no custom CUDA; its ``int(pos[-1])`` is synchronisation 1).
+4. **Copy-back**: the packed ``(n, 3)`` uint64 rows come back in one device-to-host copy into
+   a pinned buffer; the stream is synchronised once more (**synchronisation 2**, which also
+   completes the timing events), and the rows are unpacked into fresh host arrays.
 
-Launch count per batch is constant (independent of the number of queries): about a dozen
+Two host synchronisations per pass, not one: the count must be on the host before the output
+can be sized by it (sizing the output for every window costs 24 bytes per window and ran
+large batches out of memory), and the rows must be on the host before they are read.
+
+Passes, memory and limits (``xp_probe.MirroredEngine``): a batch over ``max_pass_tokens``
+(default :data:`DEFAULT_PASS_TOKENS`, never above ``SCAN_LIMIT`` = 2^31 - 1, where CuPy's
+scans silently go wrong) runs in several passes. Out-of-memory is memory pressure, not a
+broken device: the engine frees its cached memory and retries, then in passes half as long,
+and raises ``EngineOutOfMemory`` only below ``MIN_PASS_TOKENS`` (``FailoverEngine`` then
+answers that batch on the CPU and keeps the GPU). The engine allocates from its own CuPy
+memory pool and, after each pass, frees staging buffers, power tables and cached pool blocks
+over ``keep_bytes`` (default :data:`KEEP_BYTES`); the slot mirror stays.
+
+Launch count per pass is constant (independent of the number of queries): about a dozen
 (the prefix form's array operations, two RawKernels, one scan, two copies).
 
 ``Candidates.timings`` (seconds): ``sync_s`` (host, step 1), ``upload_s``, ``kernels_s``,
 ``copyback_s`` (CUDA events on the engine's stream; ``upload_s`` spans step 1's device part
 and step 2), ``total_s`` (host wall clock for the whole probe).
 
-What CI (no GPU) covers, and how:
-- the array algorithm (steps 2-6 of ``xp_probe``) and the slot mirror run on numpy as the
-  ``"xp-numpy"`` engine in the cross-engine conformance suite;
-- the CUDA C source of the fused kernels (``KERNEL_SOURCE``) is written so the same text also
-  compiles as plain C: ``tests/test_gpu_engine.py`` builds it with the host C compiler and runs
-  the per-window bodies (``bm_flag_one``, ``bm_scatter_one``) over every window of random
-  batches against numpy and the reference engine;
-- staging layout and piecewise copies run on numpy (``stage_upload`` with a host "device");
+What CI (no GPU) covers, and how (docs/performance.md, "GPU engine"):
+- the array algorithm and the slot mirror run on numpy as the ``"xp-numpy"`` engine in the
+  cross-engine conformance suite;
+- ``KERNEL_SOURCE`` is compiled by NVRTC from the pip wheel for sm_90 with CuPy's options
+  (``tests/test_gpu_nvrtc.py``: no error, warning, spill or stack frame, both entry points,
+  at most 64 registers);
+- the same ``__global__`` text is compiled as host C++ with an emulation header and run with
+  the H200 grid and tiny grids, threads in shuffled order, under AddressSanitizer and UBSan,
+  bit for bit against the reference (``tests/test_gpu_host_emulation.py``);
+- this module's CuPy calls run against ``tests/fake_cupy.py``, a numpy-backed device whose
+  kernels are that emulation, whose device-to-host copies land only at synchronisation, with
+  a memory pool, allocation accounting and injectable out-of-memory errors;
 - the self-test used by the trial launch (``select.self_test``) runs on CPU engines too.
-Not covered without a GPU: CuPy's own calls (RawModule compilation with NVRTC, argument
-marshalling of the launches, ``cupy.cumsum``/``searchsorted`` on the device, pinned memory,
-asynchronous copies, events) and device error paths. ``select.create_gpu_engine`` therefore refuses
-the GPU unless a trial launch of the complete engine reproduces the numpy engine's answers
-bit for bit, and the ``gpu``-marked tests compare it with the reference on random batches.
+Not covered without a GPU: CuPy itself on a device (NVRTC through CuPy, argument marshalling,
+``cupy.cumsum``/``searchsorted`` kernels, pinned memory, real asynchrony) and device error
+paths. ``select.create_gpu_engine`` therefore refuses the GPU unless a trial of the complete
+engine (with a shrunk grid, staging piece and pass size, so it also runs the multi-iteration,
+multi-piece, growth and split paths) reproduces the numpy engine's answers bit for bit, and
+``scripts/gpu_check.sh`` runs the ``gpu`` tests and a self-test at scale on a device.
 
 Failure policy: bad input -> ``ValueError`` (checked before any device work, as on every
-engine); any error while probing (CUDA/CuPy errors such as out-of-memory or a lost device)
--> ``EngineFailure`` wrapping it, after which the mirror is invalidated (the next batch
-re-uploads the table). ``select.FailoverEngine`` then moves to the CPU engine.
+engine); out-of-memory -> retried as above; any other error while probing (a CUDA error, a
+lost device) -> ``EngineFailure`` wrapping it, after which the mirror is invalidated (the next
+batch re-uploads the table). ``select.FailoverEngine`` then moves to the CPU engine.
 
 Thread safety: one lock per engine around ``probe``; the stream, events and staging buffers
 belong to the engine and are only touched under that lock.
@@ -61,18 +82,21 @@ belong to the engine and are only touched under that lock.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib.util
 import logging
 import time
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from . import fingerprint as _fp
 from .batch import QueryBatch
-from .engine import EngineUnavailable, SlotSource
+from .engine import EngineBroken, EngineUnavailable, SlotSource
 from .xp_probe import (
+    STAGING_PIECE,
     ArrayProbe,
     MirroredEngine,
     SlotMirror,
@@ -83,11 +107,19 @@ from .xp_probe import (
 )
 
 __all__ = [
+    "BLOCK",
+    "BLOCKS_PER_SM",
     "CupyEngine",
+    "DEFAULT_PASS_TOKENS",
+    "KEEP_BYTES",
+    "KERNEL_NAMES",
     "KERNELS_ENV",
     "KERNEL_MODES",
     "KERNEL_SOURCE",
+    "gpu_unavailable",
     "gpu_unavailable_reason",
+    "is_out_of_memory",
+    "launch_dims",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,8 +145,10 @@ def _render_source() -> str:
     """CUDA C source of the fused kernels, with THE hash's constants from ``fingerprint.py``.
 
     The per-window bodies are ``BM_FN`` functions; the ``__global__`` kernels are grid-stride
-    loops over them. Without a CUDA compiler the same text defines host loops instead
-    (``bm_flag_host``/``bm_scatter_host``), which CI compiles with ``cc`` and tests.
+    loops over them. The text is CUDA C++ only: NVRTC compiles it on a GPU (and in CI, from
+    the pip wheel, for sm_90: ``tests/test_gpu_nvrtc.py``); CI also compiles the same text as
+    host C++ with an emulation header (``tests/cuda_emulation.h``) and runs its kernels over
+    shuffled threads (``tests/test_gpu_host_emulation.py``, ``tests/fake_cupy.py``).
     Slot and tag follow ``fingerprint.slots_and_tags``: ``m = fmix64(F)``,
     ``slot = m & mask``, ``tag = 1 + ((m >> 56) * 254 >> 8)``; survival: ``v == tag || v == 255``.
     """
@@ -122,12 +156,10 @@ def _render_source() -> str:
     c2 = int(_fp.FMIX_C2)
     return f"""
 /* blendmatch fused probe kernels (generated by blendmatch.gpu.cupy_engine; do not edit). */
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define BM_CUDA 1
-#define BM_FN __device__ __forceinline__
-#else
-#define BM_FN static inline
+#if !defined(__CUDACC__) && !defined(__CUDACC_RTC__) && !defined(BM_HOST_EMULATION)
+#error "compile with NVRTC or nvcc, or as C++ with an emulation header that defines BM_HOST_EMULATION"
 #endif
+#define BM_FN __device__ __forceinline__
 
 typedef unsigned long long bm_u64;
 typedef long long bm_i64;
@@ -183,7 +215,6 @@ BM_FN void bm_scatter_one(bm_i64 w, const bm_u64* __restrict__ H, const bm_i64* 
     out[3 * r + 2] = H[qstart[q] + cur];
 }}
 
-#ifdef BM_CUDA
 extern "C" __global__ void bm_flag_kernel(const bm_u64* __restrict__ H, const bm_i64* __restrict__ wbase,
                                           const bm_i64* __restrict__ qstart, const bm_i64 nq,
                                           const bm_i64 W, const bm_i64 stride,
@@ -204,35 +235,45 @@ extern "C" __global__ void bm_scatter_kernel(const bm_u64* __restrict__ H, const
     for (bm_i64 w = (bm_i64)blockIdx.x * blockDim.x + threadIdx.x; w < W; w += step)
         bm_scatter_one(w, H, pos, flag, wbase, qstart, nq, stride, out);
 }}
-#else
-void bm_flag_host(const bm_u64* H, const bm_i64* wbase, const bm_i64* qstart, bm_i64 nq, bm_i64 W,
-                  bm_i64 stride, const unsigned char* table, bm_u64 mask, unsigned char* flag) {{
-    for (bm_i64 w = 0; w < W; ++w) flag[w] = bm_flag_one(w, H, wbase, qstart, nq, stride, table, mask);
-}}
-
-void bm_scatter_host(const bm_u64* H, const bm_i64* pos, const unsigned char* flag, const bm_i64* wbase,
-                     const bm_i64* qstart, bm_i64 nq, bm_i64 W, bm_i64 stride, bm_u64* out) {{
-    for (bm_i64 w = 0; w < W; ++w) bm_scatter_one(w, H, pos, flag, wbase, qstart, nq, stride, out);
-}}
-#endif
 """
 
 
-#: The fused kernels' source (CUDA C; also valid C for the host build used in CI).
+#: The fused kernels' source (CUDA C++; see ``_render_source``).
 KERNEL_SOURCE = _render_source()
+#: The kernels ``KERNEL_SOURCE`` defines (entry points of the compiled module).
+KERNEL_NAMES = ("bm_flag_kernel", "bm_scatter_kernel")
+
+
+def launch_dims(windows: int, max_blocks: int) -> tuple[tuple[int], tuple[int]]:
+    """``(grid, block)`` of one launch over ``windows`` windows: at most ``max_blocks`` blocks
+    of :data:`BLOCK` threads; the kernels' grid-stride loops cover the rest. On an H200
+    (132 SMs) ``max_blocks`` is ``132 * BLOCKS_PER_SM``."""
+    return (int(max(1, min((windows + BLOCK - 1) // BLOCK, max_blocks))),), (BLOCK,)
 
 
 # --------------------------------------------------------------------------------------
 # availability
 # --------------------------------------------------------------------------------------
+def _cupy_installed() -> bool:
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except (ImportError, ValueError):  # a broken parent package or a stale module entry
+        return True
+
+
 def _import_cupy() -> ModuleType:
-    """``cupy`` (and ``cupyx``), or :class:`EngineUnavailable` saying why not."""
+    """``cupy``, or :class:`EngineUnavailable` saying why not (:class:`EngineBroken` when
+    CuPy is installed but does not import: a missing CUDA library, a wrong wheel)."""
     try:
         import cupy
     except ImportError as exc:
-        raise EngineUnavailable(f"CuPy is not installed ({exc}); {_INSTALL_HINT}") from exc
+        if exc.name == "cupy" or not _cupy_installed():
+            raise EngineUnavailable(f"CuPy is not installed ({exc}); {_INSTALL_HINT}") from exc
+        raise EngineBroken(f"CuPy is installed but failed to import ({type(exc).__name__}: {exc}); "
+                           "check that the CuPy wheel matches the CUDA driver and that its CUDA "
+                           f"libraries are installed ({_INSTALL_HINT})") from exc
     except Exception as exc:  # noqa: BLE001 - a broken CUDA install fails in many ways
-        raise EngineUnavailable(f"CuPy failed to import ({type(exc).__name__}: {exc})") from exc
+        raise EngineBroken(f"CuPy is installed but failed to import ({type(exc).__name__}: {exc})") from exc
     return cupy
 
 
@@ -241,56 +282,95 @@ def _import_cupyx() -> ModuleType:
     try:
         import cupyx
     except Exception as exc:  # noqa: BLE001
-        raise EngineUnavailable(f"cupyx failed to import ({type(exc).__name__}: {exc}); {_INSTALL_HINT}") from exc
+        raise EngineBroken(f"cupyx failed to import ({type(exc).__name__}: {exc}); {_INSTALL_HINT}") from exc
     return cupyx
 
 
-def gpu_unavailable_reason() -> str | None:
-    """``None`` when CuPy imports and a device answers a trial launch, else the reason.
+def gpu_unavailable() -> EngineUnavailable | None:
+    """``None`` when CuPy imports and a device answers a trial launch, else why not.
 
-    The trial is a real kernel launch and read-back (``sum(arange(8)**2) == 140``): an import
-    that succeeds proves nothing about the driver or the device.
+    :class:`EngineUnavailable` for a machine without a GPU (no CuPy, no driver, no device);
+    :class:`EngineBroken` when something is there but broken (CuPy fails to import, a device
+    answered but a trial launch failed or answered wrong). The trial is a real kernel launch
+    and read-back (``sum(arange(8)**2) == 140``): an import proves nothing about the device.
     """
     try:
         cp = _import_cupy()
     except EngineUnavailable as exc:
-        return str(exc)
+        return exc
     try:
         count = int(cp.cuda.runtime.getDeviceCount())
     except Exception as exc:  # noqa: BLE001
-        return f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})"
+        return EngineUnavailable(f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})")
     if count < 1:
-        return "CuPy found no CUDA device"
+        return EngineUnavailable("CuPy found no CUDA device")
     try:
         x = cp.arange(8, dtype=cp.int64)
         got = int((x * x).sum())
     except Exception as exc:  # noqa: BLE001
-        return f"a trial launch on the GPU failed ({type(exc).__name__}: {exc})"
+        return EngineBroken(f"a trial launch on the GPU failed ({type(exc).__name__}: {exc})")
     if got != 140:
-        return f"a trial launch on the GPU returned a wrong answer ({got} != 140)"
+        return EngineBroken(f"a trial launch on the GPU returned a wrong answer ({got} != 140)")
     return None
+
+
+def gpu_unavailable_reason() -> str | None:
+    """``str(gpu_unavailable())``, or ``None`` when a device answers a trial launch."""
+    why = gpu_unavailable()
+    return None if why is None else str(why)
+
+
+def is_out_of_memory(cp: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` is memory pressure: CuPy's ``OutOfMemoryError`` (device pool), a CUDA
+    ``cudaErrorMemoryAllocation`` (pinned host memory, CUB temporaries) or ``MemoryError``."""
+    if isinstance(exc, MemoryError):
+        return True
+    oom = getattr(getattr(getattr(cp, "cuda", None), "memory", None), "OutOfMemoryError", None)
+    if isinstance(oom, type) and isinstance(exc, oom):
+        return True
+    return "cudaErrorMemoryAllocation" in str(exc) or "out of memory" in str(exc).lower()
 
 
 # --------------------------------------------------------------------------------------
 # the engine
 # --------------------------------------------------------------------------------------
 class _Grown:
-    """A buffer that grows to the next power of two (at least ``floor`` bytes), never shrinks.
+    """A buffer that grows to the next power of two (at least ``floor`` bytes).
 
-    Replacing it is safe only when no copy from/to it is in flight; the engine synchronises
-    its stream at the end of every batch (and on failure) before the next one starts.
+    It shrinks only by :meth:`release` (the engine releases buffers over its ``keep_bytes``
+    after each batch). Replacing or releasing it is safe only when no copy from/to it is in
+    flight; the engine synchronises its stream at the end of every batch (and on failure).
     """
 
     def __init__(self, alloc: Any, floor: int = 1 << 20) -> None:
         self._alloc = alloc
-        self._floor = floor
+        self.floor = floor
         self.buf: Any = None
+        self.grown = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else int(self.buf.nbytes)
 
     def get(self, nbytes: int) -> Any:
         if self.buf is None or int(self.buf.shape[0]) < nbytes:
+            if self.buf is not None:
+                self.grown += 1
             self.buf = None  # release first so the pool can reuse the memory
-            self.buf = self._alloc(max(self._floor, 1 << max(0, int(nbytes - 1).bit_length())))
+            self.buf = self._alloc(max(self.floor, 1 << max(0, int(nbytes - 1).bit_length())))
         return self.buf
+
+    def release(self) -> None:
+        self.buf = None
+
+
+#: What the engine keeps between batches besides its slot mirror and power tables up to
+#: this size: staging buffers and cached pool memory over it are freed after each batch.
+KEEP_BYTES = 256 << 20
+#: Tokens per device pass by default (a larger batch runs in several passes). Peak device
+#: memory of a pass is about 60 bytes per token (tokens, prefix hash and its scan, flags,
+#: positions), so a full pass of 2^26 tokens needs about 4 GiB beside the slot mirror.
+DEFAULT_PASS_TOKENS = 1 << 26
 
 
 class CupyEngine(MirroredEngine):
@@ -298,44 +378,59 @@ class CupyEngine(MirroredEngine):
     refuses it unless the self-test passes).
 
     ``kernels``: ``"fused"`` (default) or ``"array"`` (see the module docstring). ``device``:
-    CUDA device id (default: the current device). Kernels are compiled in the constructor.
+    CUDA device id (default: the current device). ``max_pass_tokens``: tokens per device pass
+    (capped at ``SCAN_LIMIT``). ``keep_bytes``: memory kept between batches (see
+    :data:`KEEP_BYTES`). Kernels are compiled in the constructor.
     """
 
     name = "gpu"
 
-    def __init__(self, reason: str = "", kernels: str = "fused", device: int | None = None) -> None:
-        super().__init__(reason)
+    def __init__(self, reason: str = "", kernels: str = "fused", device: int | None = None, *,
+                 max_pass_tokens: int = DEFAULT_PASS_TOKENS, keep_bytes: int = KEEP_BYTES) -> None:
+        super().__init__(reason, max_pass_tokens)
         if kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
         cp = _import_cupy()
         cupyx = _import_cupyx()
         self._cp = cp
         self.kernels = kernels
+        self.keep_bytes = int(keep_bytes)
+        self.staging_piece = STAGING_PIECE
         self._device = cp.cuda.Device(device) if device is not None else cp.cuda.Device()
         with self._device:
             self.device_name = _device_name(cp, self._device)
             self._stream = cp.cuda.Stream(non_blocking=True)
             self._events = [cp.cuda.Event() for _ in range(4)]
+            # the engine's own pool: what it caches can be measured and trimmed without
+            # touching other users of CuPy's default pool in the process
+            self._pool = cp.cuda.MemoryPool()
             self._array = ArrayProbe(cp)
             self._mirror = SlotMirror(cp, to_device=self._to_device)
             try:
                 sms = int(self._device.attributes["MultiProcessorCount"])
             except Exception:  # noqa: BLE001 - only sizes the grid
                 sms = 132
-            self._max_blocks = max(1, sms * BLOCKS_PER_SM)
+            self.max_blocks = max(1, sms * BLOCKS_PER_SM)
             self._pin_in = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
             self._pin_out = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
             self._pin_count = cupyx.empty_pinned((1,), dtype=np.int64)
-            self._dev_in = _Grown(lambda n: cp.empty((n,), dtype=cp.uint8))
+            self._dev_in = _Grown(self._dev_alloc)
             self._k_flag = self._k_scatter = None
             if kernels == "fused":
-                # no -std option: the source is plain C-style CUDA; CuPy >= 13 adds its default
-                module = cp.RawModule(code=KERNEL_SOURCE)
+                # no -std option: the source is plain C-style CUDA; CuPy adds its default
+                # (--std=c++17), the options tests/test_gpu_nvrtc.py compiles with for sm_90
+                with cp.cuda.using_allocator(self._pool.malloc):
+                    module = cp.RawModule(code=KERNEL_SOURCE)
                 self._k_flag = module.get_function("bm_flag_kernel")
                 self._k_scatter = module.get_function("bm_scatter_kernel")
         self.device_batches = 0
+        self.trims = 0
 
     # -- helpers (lock held) --------------------------------------------------------------
+    def _dev_alloc(self, n: int) -> Any:
+        with self._cp.cuda.using_allocator(self._pool.malloc):
+            return self._cp.empty((n,), dtype=self._cp.uint8)
+
     def _to_device(self, host: np.ndarray) -> Any:
         """Copy a host array to the device on the engine's stream (used by the mirror)."""
         dev = self._cp.empty(host.shape, dtype=host.dtype)
@@ -356,33 +451,35 @@ class CupyEngine(MirroredEngine):
         def copy(offset: int, nbytes: int) -> None:
             (base_d + offset).copy_from_host_async(ctypes.c_void_p(base_h + offset), nbytes, stream)
 
-        stage_upload(host, plan, tokens, copy)
+        stage_upload(host, plan, tokens, copy, piece=self.staging_piece)
         return staging_views(dev, nq, n)
 
-    def _launch_dims(self, windows: int) -> tuple[tuple[int], tuple[int]]:
-        return (int(min((windows + BLOCK - 1) // BLOCK, self._max_blocks)),), (BLOCK,)
-
     def _fused_rows(self, tokens: Any, wbase: Any, qstart: Any, plan: WindowPlan, table: Any) -> tuple[Any, int]:
+        """Hash, flag, scan; read the survivor count (synchronisation 1 of 2); then an output
+        of exactly that many rows and the scatter. Returns ``(rows on the device, n)``."""
         cp = self._cp
         w = plan.windows
         h = self._array.fingerprints(tokens, plan.window)
         nq, ww, stride = np.int64(plan.num_queries), np.int64(w), np.int64(plan.stride)
         mask = np.uint64(int(table.shape[0]) - 1)
-        grid, block = self._launch_dims(w)
+        grid, block = launch_dims(w, self.max_blocks)
         flag = cp.empty((w,), dtype=cp.uint8)
         self._k_flag(grid, block, (h, wbase, qstart, nq, ww, stride, table, mask, flag))
         pos = cp.cumsum(flag, dtype=cp.int64)
-        out = cp.empty((w, 3), dtype=cp.uint64)
-        self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, nq, ww, stride, out))
-        self._events[2].record(self._stream)
-        # the survivor count: 8 bytes back, the one synchronisation before the copy-back
+        # the survivor count: 8 bytes back; it sizes the output (24 B per survivor instead of
+        # per window) and the copy-back, so it must be on the host before either is issued
         pos[w - 1:w].data.copy_to_host_async(ctypes.c_void_p(self._pin_count.ctypes.data), 8, self._stream)
         self._stream.synchronize()
         n = int(self._pin_count[0])
-        return out[:n], n
+        if n == 0:
+            return None, 0
+        out = cp.empty((n, 3), dtype=cp.uint64)
+        self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, nq, ww, stride, out))
+        return out, n
 
-    def _copy_back(self, rows: Any, n: int) -> np.ndarray:
-        """One device-to-host copy of the packed rows into pinned memory (caller copies out)."""
+    def _copy_back_async(self, rows: Any, n: int) -> np.ndarray:
+        """Start the one device-to-host copy of the packed rows into pinned memory; the rows
+        are valid on the host after the stream is synchronised (the caller does that)."""
         if n == 0:
             return np.zeros((0, 3), dtype=np.uint64)
         if not rows.flags.c_contiguous:
@@ -390,14 +487,15 @@ class CupyEngine(MirroredEngine):
         nbytes = n * 24
         host = self._pin_out.get(nbytes)
         rows.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, self._stream)
-        self._stream.synchronize()
         return host[:nbytes].view(np.uint64).reshape(n, 3)
 
     # -- MirroredEngine hooks ---------------------------------------------------------------
     def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
+        """One pass. Two host synchronisations: the survivor count (it sizes the output and
+        the copy-back) and the end of the copy-back (which also completes the events)."""
         cp, stream, ev = self._cp, self._stream, self._events
         t0 = time.perf_counter()
-        with self._device, stream:
+        with self._device, stream, cp.cuda.using_allocator(self._pool.malloc):
             ev[0].record(stream)
             self._mirror.sync(slots)
             t_sync = time.perf_counter() - t0
@@ -409,18 +507,54 @@ class CupyEngine(MirroredEngine):
             else:
                 rows = self._array.run(tokens, wbase, qstart, plan, table)  # syncs once for n
                 n = int(rows.shape[0])
-                ev[2].record(stream)
-            host = self._copy_back(rows, n)
+            ev[2].record(stream)
+            host = self._copy_back_async(rows, n)
             ev[3].record(stream)
-            ev[3].synchronize()
+            stream.synchronize()
             timings = {
                 "sync_s": t_sync,
                 "upload_s": cp.cuda.get_elapsed_time(ev[0], ev[1]) / 1e3,
                 "kernels_s": cp.cuda.get_elapsed_time(ev[1], ev[2]) / 1e3,
                 "copyback_s": cp.cuda.get_elapsed_time(ev[2], ev[3]) / 1e3,
             }
+            del rows, wbase, qstart, tokens
         self.device_batches += 1
+        self._trim()
         return host, timings
+
+    def _trim(self) -> None:
+        """Keep at most ``keep_bytes`` of staging buffers, power tables and cached pool blocks
+        between batches (the slot mirror is kept whatever its size)."""
+        trimmed = False
+        for g in (self._pin_in, self._pin_out, self._dev_in):
+            if g.nbytes > self.keep_bytes:
+                g.release()
+                trimmed = True
+        if self._array.powers_bytes() > self.keep_bytes:
+            self._array.drop_powers()
+            trimmed = True
+        if self._pool.total_bytes() - self._pool.used_bytes() > self.keep_bytes:
+            self._pool.free_all_blocks()
+            trimmed = True
+        if trimmed:
+            self.trims += 1
+            self._cp.get_default_pinned_memory_pool().free_all_blocks()
+
+    def _is_out_of_memory(self, exc: BaseException) -> bool:
+        return is_out_of_memory(self._cp, exc)
+
+    def _free_memory(self) -> None:
+        """Drop every buffer the engine can rebuild and give the pools' free blocks back."""
+        for g in (self._pin_in, self._pin_out, self._dev_in):
+            g.release()
+        self._array.drop_powers()
+        try:
+            with self._device:
+                self._pool.free_all_blocks()
+                self._cp.get_default_memory_pool().free_all_blocks()
+                self._cp.get_default_pinned_memory_pool().free_all_blocks()
+        except Exception:  # noqa: BLE001 - freeing is best effort; the retry will tell
+            log.debug("freeing GPU memory after an out-of-memory error failed", exc_info=True)
 
     def _after_failure(self) -> None:
         super()._after_failure()
@@ -433,17 +567,57 @@ class CupyEngine(MirroredEngine):
     def _release(self) -> None:
         self._pin_in.buf = self._pin_out.buf = self._dev_in.buf = None
         self._array = ArrayProbe(self._cp)
+        try:
+            with self._device:
+                self._pool.free_all_blocks()
+        except Exception:  # noqa: BLE001
+            log.debug("freeing the engine's pool on close failed", exc_info=True)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes the engine holds now: its pool (``pool_bytes``, of which ``pool_used_bytes``
+        are live arrays such as the slot mirror), pinned staging and power tables."""
+        return {
+            "pool_bytes": int(self._pool.total_bytes()),
+            "pool_used_bytes": int(self._pool.used_bytes()),
+            "pinned_bytes": self._pin_in.nbytes + self._pin_out.nbytes,
+            "staging_device_bytes": self._dev_in.nbytes,
+            "powers_bytes": self._array.powers_bytes(),
+            "keep_bytes": self.keep_bytes,
+        }
+
+    @contextlib.contextmanager
+    def trial_geometry(self, *, max_blocks: int = 2, staging_piece: int = 4096, floor: int = 4096,
+                       max_pass_tokens: int = 1 << 14) -> Iterator[None]:
+        """Shrink the grid, the staging piece, the buffers' floor and the pass size, so that a
+        small self-test runs many grid-stride iterations, multi-piece uploads, buffer growth
+        and split batches: the paths a full-size batch takes on a real device."""
+        saved = (self.max_blocks, self.staging_piece, self._pin_in.floor, self.max_pass_tokens)
+        with self._lock:
+            self.max_blocks, self.staging_piece, self.max_pass_tokens = max_blocks, staging_piece, max_pass_tokens
+            for g in (self._pin_in, self._pin_out, self._dev_in):
+                g.floor = floor
+                g.release()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.max_blocks, self.staging_piece, floor0, self.max_pass_tokens = saved
+                for g in (self._pin_in, self._pin_out, self._dev_in):
+                    g.floor = floor0
+                    g.release()
 
     def reset_after_trial(self) -> None:
         """Forget the self-test's slot source and counters (the first real batch uploads the
         real table)."""
         self._mirror.invalidate()
         self.batches = self.device_batches = 0
+        self.split_batches = self.oom_retries = self.trims = 0
         self._mirror.full_uploads = self._mirror.patches = self._mirror.patched_slots = 0
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
-        out.update(kernels=self.kernels, device=self.device_name, device_batches=self.device_batches)
+        out.update(kernels=self.kernels, device=self.device_name, device_batches=self.device_batches,
+                   trims=self.trims, **self.memory_stats())
         return out
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "EngineError",
     "EngineUnavailable",
     "EngineFailure",
+    "EngineOutOfMemory",
+    "EngineBroken",
     "SlotSource",
     "SlotChanges",
     "ENGINE_NAMES",
@@ -50,8 +52,24 @@ class EngineUnavailable(EngineError):
     """The engine cannot be used on this machine; the message says why."""
 
 
+class EngineBroken(EngineUnavailable):
+    """The engine's device or library is there but the engine does not work on it (CuPy
+    installed but failing to import, a kernel that does not compile, a trial launch that
+    fails or answers wrong). Unlike plain :class:`EngineUnavailable` (no CuPy, no device),
+    this is logged at WARNING: it is a defect or a broken install, not a CPU-only machine."""
+
+
 class EngineFailure(EngineError):
-    """The engine failed at run time (device lost, out of memory); the batch is retryable."""
+    """The engine failed at run time (device lost, a CUDA error); the batch is retryable."""
+
+
+class EngineOutOfMemory(EngineFailure):
+    """Device memory ran out even after freeing the engine's cached memory and splitting the
+    batch into the smallest passes: memory pressure, not a broken device.
+
+    ``select.FailoverEngine`` answers *this* batch on the CPU engine and keeps the device
+    engine for the next one (a broken device, any other :class:`EngineFailure`, moves the
+    process to the CPU engine for good)."""
 
 
 @dataclass(frozen=True)

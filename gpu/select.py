@@ -10,11 +10,17 @@ breaks?"
 - :func:`create_gpu_engine` builds the CuPy engine and runs :func:`self_test` on it: a GPU
   that answers differently from the numpy engine is refused (:class:`GpuSelfTestError`).
 - :class:`FailoverEngine` wraps the engine a ``BlendIndex`` uses. When the active engine
-  raises :class:`EngineFailure` (a device failure at run time: lost device, out of memory)
+  raises :class:`EngineFailure` (a device failure at run time: a lost device, a CUDA error)
   it logs the error, counts it, closes the broken engine and answers the same batch, and
-  every later one, on a fresh CPU engine. It decides by error type only: ``ValueError``
-  (bad input) and any other exception (a bug) propagate unchanged, and a failure of the
-  CPU engine itself is not retried.
+  every later one, on a fresh CPU engine; every batch in flight on the broken engine at
+  that moment is answered by the CPU engine too. :class:`EngineOutOfMemory` (memory
+  pressure that the engine's own retries could not relieve) is not a broken device: that
+  batch is answered on the CPU and the device engine stays. It decides by error type only:
+  ``ValueError`` (bad input) and any other exception (a bug) propagate unchanged, and a
+  failure of the CPU engine it moved to is not retried.
+- Logging: a machine without a GPU (no CuPy, no device) is logged at INFO; a GPU whose
+  engine is broken (:class:`EngineBroken`: CuPy fails to import, a kernel does not compile,
+  a trial launch fails or answers wrong) at WARNING, with the error.
 
 Import rule: engine modules never import this one; it imports them lazily (the CuPy engine
 only when a GPU is asked for), so no engine module depends on another through selection.
@@ -31,7 +37,15 @@ import numpy as np
 
 from . import fingerprint as _fp
 from .batch import Candidates, QueryBatch
-from .engine import ENGINE_NAMES, Engine, EngineFailure, EngineUnavailable, SlotSource
+from .engine import (
+    ENGINE_NAMES,
+    Engine,
+    EngineBroken,
+    EngineFailure,
+    EngineOutOfMemory,
+    EngineUnavailable,
+    SlotSource,
+)
 from .xp_probe import TrialSlots, XpEngine
 
 if TYPE_CHECKING:
@@ -71,19 +85,30 @@ def select_engine(name: str = "auto") -> Engine:
     except EngineUnavailable as exc:
         from .cpu import CpuEngine
 
-        log.info("GPU engine unavailable (%s); using the CPU engine", exc)
+        if isinstance(exc, EngineBroken):
+            log.warning("the GPU engine is broken on this machine (%s); using the CPU engine", exc)
+        else:
+            log.info("no usable GPU (%s); using the CPU engine", exc)
         return CpuEngine(reason=f"auto: no usable GPU ({exc})")
 
 
-class GpuSelfTestError(EngineUnavailable):
+class GpuSelfTestError(EngineBroken):
     """The GPU engine ran but did not reproduce the numpy engine's answers: never use it."""
 
 
 # --------------------------------------------------------------------------------------
 # the self-test (also run on CPU engines in CI)
 # --------------------------------------------------------------------------------------
+#: Tokens of the self-test's large case: with the trial geometry of the GPU engine
+#: (``CupyEngine.trial_geometry``: 2 blocks of 256 threads, 4 KiB staging pieces, 16k-token
+#: passes) it takes many grid-stride iterations, a multi-piece upload, buffer growth over the
+#: small cases' and a split into passes, one of them through a query longer than a pass.
+SELF_TEST_LARGE_TOKENS = 50_000
+
+
 def _self_test_cases() -> tuple[list[np.ndarray], int, TrialSlots]:
-    """Fixed queries (edge lengths, repeated content) and a slot source with survivors."""
+    """Fixed queries (edge lengths, repeated content, one long query) and a slot source with
+    survivors."""
     rng = np.random.default_rng(20240611)
     c = 16
     lengths = (0, 5, 16, 17, 333, 1024, 40)
@@ -126,6 +151,16 @@ def self_test(engine: Any, oracle: Any = None) -> int:
 
     for stride in (1, 3, c, c + 1):
         check("initial upload", stride)
+    big = _large_case(c)
+    for stride in (1, 5):
+        want = oracle.probe(QueryBatch.from_queries(big, c, stride), slots)
+        got = engine.probe(QueryBatch.from_queries(big, c, stride), slots)
+        if not want.same_as(got) or want.windows != got.windows:
+            raise GpuSelfTestError(
+                f"self-test 'large batch' (stride {stride}): {engine.name} returned {len(got)} candidates "
+                f"over {got.windows} windows, the numpy engine {len(want)} over {want.windows}; "
+                "refusing to use an engine that changes answers")
+        compared += len(want)
     s = rng.integers(0, slots.table.size, size=200)
     s[100:] = s[:100]  # every slot written twice: the last write must win
     slots.write(s, rng.integers(0, 256, size=200, dtype=np.uint8))
@@ -137,6 +172,19 @@ def self_test(engine: Any, oracle: Any = None) -> int:
     if compared == 0:
         raise GpuSelfTestError("self-test compared no candidates (broken test cases)")
     return compared
+
+
+def _large_case(c: int) -> list[np.ndarray]:
+    """Queries of :data:`SELF_TEST_LARGE_TOKENS` tokens in all, one longer than the trial's
+    pass, built from the small cases' content so that the planted slots survive."""
+    queries, _, _ = _self_test_cases()
+    src = queries[4]
+    rng = np.random.default_rng(99)
+    reps = SELF_TEST_LARGE_TOKENS // 2 // src.size + 1
+    long_q = np.tile(src, reps)[: SELF_TEST_LARGE_TOKENS // 2]
+    rest = SELF_TEST_LARGE_TOKENS - long_q.size
+    noise = rng.integers(0, 50, size=rest // 2, dtype=np.uint32)
+    return [long_q, noise, np.tile(src, rest // 2 // src.size + 1)[: rest - noise.size]]
 
 
 def create_gpu_engine(reason: str = "", *, kernels: str | None = None, device: int | None = None) -> "CupyEngine":
@@ -152,15 +200,16 @@ def create_gpu_engine(reason: str = "", *, kernels: str | None = None, device: i
     kernels = kernels or os.environ.get(KERNELS_ENV) or "fused"
     if kernels not in KERNEL_MODES:
         raise ValueError(f"GPU kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
-    from .cupy_engine import CupyEngine, gpu_unavailable_reason  # no cupy import at module level there
+    from .cupy_engine import CupyEngine, gpu_unavailable  # no cupy import at module level there
 
-    why = gpu_unavailable_reason()
+    why = gpu_unavailable()
     if why is not None:
-        raise EngineUnavailable(why)
+        raise why
     engine = None
     try:
         engine = CupyEngine(reason=reason, kernels=kernels, device=device)
-        self_test(engine)
+        with engine.trial_geometry():  # small batches through the large-batch paths
+            self_test(engine)
     except EngineUnavailable as exc:
         if isinstance(exc, GpuSelfTestError):  # a wrong answer is worse than no GPU: say so loudly
             log.error("GPU engine refused: %s", exc)
@@ -170,7 +219,8 @@ def create_gpu_engine(reason: str = "", *, kernels: str | None = None, device: i
     except Exception as exc:  # noqa: BLE001 - compile errors, device errors, EngineFailure
         if engine is not None:
             engine.close()
-        raise EngineUnavailable(f"the GPU trial launch failed ({type(exc).__name__}: {exc})") from exc
+        raise EngineBroken(f"a device answered but the GPU engine failed its trial "
+                           f"({type(exc).__name__}: {exc})") from exc
     engine.reset_after_trial()  # the trial used its own slot source
     log.info("GPU engine ready on %s (kernels=%s): %s", engine.device_name, kernels, reason)
     return engine
@@ -182,14 +232,18 @@ class FailoverEngine:
 
     ``name`` and ``reason`` are the active engine's (``reason`` says ``failover from gpu:
     ...`` after a failover); ``failovers`` counts them (at most one per wrapped engine: the
-    CPU engine it moves to is never replaced). Thread-safe: concurrent probes that fail
-    together fail over once.
+    CPU engine it moves to is never replaced); ``memory_fallbacks`` counts batches answered on
+    the CPU because of :class:`EngineOutOfMemory`. Thread-safe: concurrent probes that fail
+    together fail over once, and each of them is answered by the CPU engine.
     """
 
     def __init__(self, engine: Engine) -> None:
         self._active: Engine = engine
+        self._fallback: Engine | None = None  # the CPU engine moved to, once failed over
+        self._spare: Engine | None = None  # a CPU engine for batches the device has no memory for
         self._lock = threading.Lock()
         self.failovers = 0
+        self.memory_fallbacks = 0
 
     @property
     def active(self) -> Engine:
@@ -208,11 +262,28 @@ class FailoverEngine:
         engine = self._active
         try:
             return engine.probe(batch, slots)
-        except EngineFailure as exc:
-            if self._active is not engine or self.failovers:  # already on the CPU fallback
+        except EngineOutOfMemory as exc:
+            if engine is self._fallback:
                 raise
-            self._fail_over(engine, exc)
+            return self._probe_spare(engine, exc, batch, slots)
+        except EngineFailure as exc:
+            if engine is self._fallback:  # the CPU engine moved to failed: not retried
+                raise
+            self._fail_over(engine, exc)  # idempotent: a batch in flight on the old engine lands here too
         return self._active.probe(batch, slots)
+
+    def _probe_spare(self, engine: Engine, exc: EngineOutOfMemory, batch: QueryBatch,
+                     slots: SlotSource) -> Candidates:
+        from .cpu import CpuEngine
+
+        with self._lock:
+            self.memory_fallbacks += 1
+            if self._spare is None:
+                self._spare = self._fallback or CpuEngine(reason=f"memory fallback for {engine.name}")
+            spare = self._spare
+        log.warning("engine %s ran out of memory (%s); this batch runs on the CPU engine, the %s engine stays",
+                    engine.name, exc, engine.name)
+        return spare.probe(batch, slots)
 
     def _fail_over(self, engine: Engine, exc: EngineFailure) -> None:
         from .cpu import CpuEngine
@@ -223,7 +294,8 @@ class FailoverEngine:
             self.failovers += 1
             log.error("engine %s failed (%s: %s); continuing on the CPU engine",
                       engine.name, type(exc).__name__, exc)
-            self._active = CpuEngine(reason=f"failover from {engine.name}: {type(exc).__name__}: {exc}")
+            self._fallback = CpuEngine(reason=f"failover from {engine.name}: {type(exc).__name__}: {exc}")
+            self._active = self._fallback
         try:
             engine.close()
         except Exception:  # noqa: BLE001 - the device is already broken; closing is best effort
@@ -231,7 +303,12 @@ class FailoverEngine:
 
     def stats(self) -> dict[str, Any]:
         stats = getattr(self._active, "stats", None)
-        return stats() if callable(stats) else {}
+        out = dict(stats()) if callable(stats) else {}
+        if self.memory_fallbacks:
+            out["memory_fallbacks"] = self.memory_fallbacks
+        return out
 
     def close(self) -> None:
         self._active.close()
+        if self._spare is not None and self._spare is not self._active:
+            self._spare.close()

@@ -40,6 +40,7 @@ Import rule: numpy and ``blendmatch.index.fingerprint`` only; nothing here impor
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -53,14 +54,19 @@ from .fingerprint import TAG_SHARED, power_tables, prefix_fingerprints, slots_an
 from .occupancy import occupancy_words
 
 from .batch import Candidates, QueryBatch
-from .engine import EngineError, EngineFailure, SlotChanges, SlotSource
+from .engine import EngineError, EngineFailure, EngineOutOfMemory, SlotChanges, SlotSource
+
+log = logging.getLogger(__name__)
 
 __all__ = [
+    "STAGING_PIECE",
     "TIMING_KEYS",
     "ArrayProbe",
     "MirroredEngine",
     "SlotMirror",
     "TrialSlots",
+    "MIN_PASS_TOKENS",
+    "SCAN_LIMIT",
     "WindowPlan",
     "XpEngine",
     "check_table",
@@ -68,6 +74,7 @@ __all__ = [
     "dedupe_last_write",
     "plan_windows",
     "rows_to_candidates",
+    "split_batch",
     "stage_upload",
     "staging_layout",
     "staging_views",
@@ -121,6 +128,61 @@ def check_table(table: Any) -> np.ndarray:
     return table
 
 
+#: The most tokens (and so windows) one device pass may hold. CuPy's scans (``cumsum``, used
+#: by the prefix hash and the compaction) take the length as a C ``int``: a longer array
+#: gives wrong answers without an error. Engines split larger batches (:func:`split_batch`).
+SCAN_LIMIT = 2**31 - 1
+#: The smallest pass an engine splits down to when device memory runs out.
+MIN_PASS_TOKENS = 1 << 12
+
+
+def split_batch(batch: QueryBatch, max_tokens: int) -> list[tuple[QueryBatch, np.ndarray, np.ndarray]]:
+    """``batch`` as passes of at most ``max_tokens`` tokens: ``[(piece, query, offset), ...]``.
+
+    Row ``i`` of a piece is segment ``[offset[i], offset[i] + len)`` of query ``query[i]``;
+    a candidate ``(i, cur_st)`` of the piece is ``(query[i], offset[i] + cur_st)`` of the
+    batch. A query longer than ``max_tokens`` is cut into segments that start on a multiple
+    of the stride and overlap by ``window - stride`` tokens, so every valid window lies in
+    exactly one segment. Queries without a valid window are left out. Pieces come in
+    ascending ``(query, offset)``, so concatenating their candidates keeps the contract's
+    order. ``max_tokens`` below ``window + stride`` is raised to it.
+    """
+    c, s = batch.window, batch.stride
+    cap = max(int(max_tokens), c + s)
+    step = (cap - c + 1) // s * s  # window starts [o, o + step) of one segment
+    offsets = np.asarray(batch.offsets, dtype=np.int64)
+    tokens = batch.tokens
+    segs: list[tuple[int, int, int]] = []  # (query, start, end) in query coordinates
+    for q in range(batch.num_queries):
+        n = int(offsets[q + 1] - offsets[q])
+        if n < c:
+            continue
+        if n <= cap:
+            segs.append((q, 0, n))
+            continue
+        for o in range(0, n - c + 1, step):
+            segs.append((q, o, min(o + step - s + c, n)))
+    pieces: list[tuple[QueryBatch, np.ndarray, np.ndarray]] = []
+    group: list[tuple[int, int, int]] = []
+    size = 0
+
+    def flush() -> None:
+        if group:
+            qs = [tokens[offsets[q] + a:offsets[q] + b] for q, a, b in group]
+            pieces.append((QueryBatch.from_queries(qs, c, s), np.array([g[0] for g in group], np.int64),
+                           np.array([g[1] for g in group], np.int64)))
+
+    for seg in segs:
+        n = seg[2] - seg[1]
+        if group and size + n > cap:
+            flush()
+            group, size = [], 0
+        group.append(seg)
+        size += n
+    flush()
+    return pieces
+
+
 # --------------------------------------------------------------------------------------
 # 2-6. the array probe
 # --------------------------------------------------------------------------------------
@@ -144,6 +206,15 @@ class ArrayProbe:
             self._pow_fwd, self._pow_inv = self.xp.asarray(fw), self.xp.asarray(bw)
             self._pow_len = int(fw.shape[0])
         return self._pow_fwd, self._pow_inv
+
+    def powers_bytes(self) -> int:
+        """Bytes the resident power tables take (0 when dropped)."""
+        return 0 if self._pow_fwd is None else int(self._pow_fwd.nbytes) + int(self._pow_inv.nbytes)
+
+    def drop_powers(self) -> None:
+        """Forget the power tables (rebuilt on the next batch): frees their memory."""
+        self._pow_fwd = self._pow_inv = None
+        self._pow_len = 0
 
     def fingerprints(self, tokens: Any, window: int) -> Any:
         """``H[i] = F(tokens[i:i+C])`` for every global position (step 2)."""
@@ -393,29 +464,55 @@ class TrialSlots:
 # engines
 # --------------------------------------------------------------------------------------
 class MirroredEngine:
-    """Shared engine shell: input checks, one lock, run-time errors as :class:`EngineFailure`.
+    """Shared engine shell: input checks, one lock, batch splitting, memory-pressure retries,
+    run-time errors as :class:`EngineFailure`.
 
     Subclasses implement :meth:`_run` (called with the lock held, for a batch with at least
-    one valid window) returning host rows and timings. Lock order: the engine lock is taken
-    inside ``probe`` only, and the slot source's own lock (``changes_since``) nests inside it.
+    one valid window and at most :attr:`max_pass_tokens` tokens) returning host rows and
+    timings. Lock order: the engine lock is taken inside ``probe`` only, and the slot
+    source's own lock (``changes_since``) nests inside it.
+
+    Passes: a batch over ``max_pass_tokens`` (never above :data:`SCAN_LIMIT`) runs as several
+    passes (:func:`split_batch`) whose candidates are concatenated. Memory pressure (an error
+    :meth:`_is_out_of_memory` recognises) is not a broken device: the engine frees its
+    cached memory (:meth:`_free_memory`) and retries the batch, first as it was, then in
+    passes half as long each time, down to :data:`MIN_PASS_TOKENS`; only then does it raise
+    :class:`EngineOutOfMemory`. ``oom_retries`` counts the retries, ``split_batches`` the
+    batches that ran in more than one pass.
     """
 
     name = "mirrored"
 
-    def __init__(self, reason: str = "") -> None:
+    def __init__(self, reason: str = "", max_pass_tokens: int = SCAN_LIMIT) -> None:
         self.reason = reason
         self._lock = threading.Lock()
         self._closed = False
         self.batches = 0
         self.failures = 0
+        self.oom_retries = 0
+        self.split_batches = 0
+        self.max_pass_tokens = max_pass_tokens
         self._mirror: SlotMirror
+
+    @property
+    def max_pass_tokens(self) -> int:
+        """Tokens one pass may hold (at most :data:`SCAN_LIMIT`)."""
+        return self._max_pass_tokens
+
+    @max_pass_tokens.setter
+    def max_pass_tokens(self, value: int) -> None:
+        value = int(value)
+        if value < 1:
+            raise ValueError(f"max_pass_tokens must be >= 1, got {value}")
+        self._max_pass_tokens = min(value, SCAN_LIMIT)
 
     # -- the Engine protocol --------------------------------------------------------------
     def probe(self, batch: QueryBatch, slots: SlotSource) -> Candidates:
         """Candidates of ``batch`` against ``slots`` (see ``gpu/engine.py`` for the contract).
 
         ``ValueError`` for bad input (checked before any device work); :class:`EngineFailure`
-        (wrapping the original error) for anything that goes wrong while probing.
+        (wrapping the original error) for anything that goes wrong while probing, and
+        :class:`EngineOutOfMemory` when even the smallest passes do not fit.
         """
         check_table(slots.table)
         plan = plan_windows(batch)
@@ -426,7 +523,7 @@ class MirroredEngine:
                 return Candidates.empty(0)
             t0 = time.perf_counter()
             try:
-                rows, timings = self._run(batch, plan, slots)
+                rows, timings = self._run_adaptive(batch, plan, slots)
             except Exception as exc:  # noqa: BLE001 - every run-time error becomes EngineFailure
                 self.failures += 1
                 self._after_failure()
@@ -438,6 +535,55 @@ class MirroredEngine:
             timings["total_s"] = time.perf_counter() - t0
             return rows_to_candidates(rows, plan.windows, timings)
 
+    def _run_adaptive(self, batch: QueryBatch, plan: WindowPlan,
+                      slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
+        """:meth:`_run_passes`, retried on memory pressure (see the class docstring)."""
+        limit = min(self.max_pass_tokens, max(batch.num_tokens, 1))
+        floor = max(MIN_PASS_TOKENS, batch.window + batch.stride)
+        retried_same = False
+        while True:
+            try:
+                return self._run_passes(batch, plan, slots, limit)
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                if not self._is_out_of_memory(exc):
+                    raise
+                self._after_failure()
+                self._free_memory()
+                if retried_same and limit <= floor:
+                    raise EngineOutOfMemory(
+                        f"the {self.name} engine ran out of memory even in passes of {limit} tokens "
+                        f"after freeing its cached memory ({type(exc).__name__}: {exc})") from exc
+                self.oom_retries += 1
+                if retried_same:
+                    limit = max(floor, limit // 2)
+                retried_same = True
+                log.warning("%s engine: out of memory on a batch of %d tokens (%s); freed cached memory, "
+                            "retrying in passes of at most %d tokens", self.name, batch.num_tokens,
+                            type(exc).__name__, limit)
+
+    def _run_passes(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource,
+                    limit: int) -> tuple[np.ndarray, dict[str, float]]:
+        """The batch in one :meth:`_run`, or in passes of at most ``limit`` tokens."""
+        if batch.num_tokens <= limit:
+            return self._run(batch, plan, slots)
+        self.split_batches += 1
+        parts: list[np.ndarray] = []
+        timings: dict[str, float] = {}
+        for piece, query, offset in split_batch(batch, limit):
+            p_plan = plan_windows(piece)
+            if p_plan.windows == 0:
+                continue
+            rows, t = self._run(piece, p_plan, slots)
+            mapped = np.array(rows, dtype=np.uint64, copy=True)  # rows may be a reused pinned buffer
+            local = rows[:, 0].astype(np.int64)
+            mapped[:, 0] = query[local].astype(np.uint64)
+            mapped[:, 1] = (rows[:, 1].astype(np.int64) + offset[local]).astype(np.uint64)
+            parts.append(mapped)
+            for k, v in t.items():
+                timings[k] = timings.get(k, 0.0) + v
+        rows = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
+        return rows, timings
+
     def close(self) -> None:
         """Release resources; idempotent. Later probes raise :class:`EngineFailure`."""
         with self._lock:
@@ -448,11 +594,19 @@ class MirroredEngine:
     def stats(self) -> dict[str, Any]:
         m = self._mirror
         return {"engine": self.name, "batches": self.batches, "failures": self.failures,
+                "oom_retries": self.oom_retries, "split_batches": self.split_batches,
                 "full_uploads": m.full_uploads, "patches": m.patches, "patched_slots": m.patched_slots}
 
     # -- hooks ------------------------------------------------------------------------------
     def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
         raise NotImplementedError
+
+    def _is_out_of_memory(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is memory pressure (retry smaller) rather than a failure."""
+        return isinstance(exc, MemoryError)
+
+    def _free_memory(self) -> None:
+        """Give cached memory back before a retry (device engines: their pools)."""
 
     def _after_failure(self) -> None:
         self._mirror.invalidate()
@@ -472,8 +626,8 @@ class XpEngine(MirroredEngine):
     Thread-safe (one lock per engine).
     """
 
-    def __init__(self, xp: ModuleType = np, reason: str = "") -> None:
-        super().__init__(reason)
+    def __init__(self, xp: ModuleType = np, reason: str = "", max_pass_tokens: int = SCAN_LIMIT) -> None:
+        super().__init__(reason, max_pass_tokens)
         self.xp = xp
         self.name = f"xp-{getattr(xp, '__name__', 'xp')}"
         self._array = ArrayProbe(xp)

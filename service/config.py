@@ -98,7 +98,8 @@ class ServiceConfig(BaseModel):
                            "off_lmcache": "the coordinator's default"})
     engine: EngineName = Field(default="auto", description="probe engine: auto = the GPU if a trial launch "
                                                            "succeeds, else the CPU")
-    max_batch_tokens: int = Field(default=1 << 18, ge=1, description="token budget of one engine batch; one "
+    # at most 2^31 - 1: the GPU engine's scans (CuPy) take lengths as a C int (issue 27)
+    max_batch_tokens: int = Field(default=1 << 18, ge=1, le=2**31 - 1, description="token budget of one engine batch; one "
                                                                      "request's size disables batching")
     max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0,
                                      description="once a lookup is queued, wait up to this long for more; 0 = "

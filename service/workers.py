@@ -146,5 +146,10 @@ def supervise(argv: Sequence[str], workers: int, *, replica_id: str, checkpoint_
                 p.wait()
         for s, h in previous.items():
             signal.signal(s, h)
-    # the first non-zero status, in start order; a child killed by a signal counts as 128+sig
+    # The worker that stopped on its own decides the status (the others were stopped by us,
+    # and one still starting dies of our SIGTERM with 143, which says nothing); after a
+    # forwarded signal, the first non-zero status in start order. A child killed by a
+    # signal counts as 128+sig.
+    if not stopping["signal"] and first.returncode != 0:
+        codes = [first.returncode]
     return next((c if c > 0 else 128 - c for c in codes if c != 0), 0)

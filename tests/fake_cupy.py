@@ -2,57 +2,193 @@
 
 Why: CI has no GPU, yet the GPU engine's Python side (staging and its asynchronous copies,
 kernel argument lists, the survivor-count read-back, the packed copy-back, events, the
-mirror's uploads) should still run in CI. This module plays the device:
+mirror's uploads, memory pools, out-of-memory handling) should still run in CI. This module
+plays the device, strictly where the engine could get it wrong:
 
+- **kernels**: :class:`RawModule` compiles the *given source text* as host C++ after
+  ``tests/cuda_emulation.h`` (``tests/cuda_host.py``) and runs each ``__global__`` kernel
+  over every thread of the launch's grid, threads in a shuffled order. Launch arguments are
+  checked against the kernel's parameters parsed from the source: device arrays of the
+  exact element type for pointers, numpy scalars of the exact type for values (what CuPy
+  would marshal by size).
+- **streams**: device work runs at once, in order, but a device-to-host copy
+  (``copy_to_host_async``) lands in host memory only when its stream is synchronised
+  (``Stream.synchronize``, ``Event.synchronize`` of a later event, ``Device.synchronize``,
+  or an implicit synchronisation: ``int()``/``get()`` of a device array). The copied bytes
+  are those of the moment the copy was issued. ``get_elapsed_time`` raises for an event
+  that has not completed. :data:`SYNCS` counts every synchronisation.
+- **memory**: every device array is allocated from a pool (the default one, or the one a
+  ``cuda.using_allocator(pool.malloc)`` block names) that caches freed blocks like CuPy's
+  (``total_bytes``, ``used_bytes``, ``free_all_blocks``, ``set_limit``); :data:`DEVICE`
+  accounts for every pool and raises ``cuda.memory.OutOfMemoryError`` over its ``limit``.
+  ``DEVICE.allocations`` records each allocation's size.
 - "device arrays" are numpy arrays of the subclass :class:`DevArray`, whose ``.data`` is a
-  :class:`MemoryPointer` (raw address arithmetic and ``copy_{from,to}_host_async`` as
-  ``memmove``), with ``.set(host, stream=...)``;
-- :class:`RawModule` compiles the *given source text* with the host C compiler (the kernel
-  source is valid C, see ``cupy_engine.KERNEL_SOURCE``) and maps each ``__global__`` kernel
-  ``bm_X_kernel`` to its host loop ``bm_X_host``. Launch arguments are checked against the C
-  prototype parsed from the source: device arrays of the exact element type for pointers,
-  numpy scalars of the exact type for values (what CuPy would marshal by size);
-- streams, events and devices are context managers with host timers.
+  :class:`MemoryPointer` (raw address arithmetic); scalar indexing gives 0-d device arrays.
 
 It does **not** prove CuPy's behaviour (that is what ``-m gpu`` is for); it proves that the
-engine's own code drives the API consistently with the kernel source.
+engine's own code drives the API consistently with the kernel source and with CUDA's
+asynchrony.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import re
-import shutil
-import subprocess
 import tempfile
+import threading
 import time
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-_C_TYPES = {
-    "bm_u64*": ("ptr", np.uint64), "bm_i64*": ("ptr", np.int64), "unsignedchar*": ("ptr", np.uint8),
-    "bm_u64": ("val", np.uint64), "bm_i64": ("val", np.int64),
-}
+import cuda_host
+
+# --------------------------------------------------------------------------------------
+# memory: pools and the device's budget
+# --------------------------------------------------------------------------------------
 
 
-def parse_prototypes(source: str) -> dict[str, list[tuple[str, str, Any]]]:
-    """``{function: [(name, kind, dtype), ...]}`` for every kernel and host loop in ``source``."""
-    out = {}
-    pat = re.compile(r'(?:extern "C" __global__ void|\nvoid) (bm_\w+_(?:kernel|host))\((.*?)\)\s*\{', re.S)
-    for m in pat.finditer(source):
-        params = []
-        for raw in m.group(2).split(","):
-            words = [w for w in raw.replace("*", " * ").split() if w not in ("const", "__restrict__")]
-            name = words[-1]
-            ctype = "".join(words[:-1])
-            params.append((name,) + _C_TYPES[ctype])
-        out[m.group(1)] = params
-    return out
+class OutOfMemoryError(MemoryError):
+    """What CuPy raises when a pool cannot allocate (``cupy.cuda.memory.OutOfMemoryError``)."""
+
+    def __init__(self, size: int, total: int, limit: int) -> None:
+        super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes, "
+                         f"limit set to: {limit:,} bytes).")
 
 
+class _Device:
+    """The fake GPU's memory: all pools together, an optional limit, allocation records."""
+
+    def __init__(self) -> None:
+        self.limit: int | None = None
+        self.pools: weakref.WeakSet = weakref.WeakSet()
+        self.allocations: list[int] = []
+        self.h2d: list[int] = []  # bytes of each copy_from_host_async
+        self.peak = 0
+        #: CuPy's scans take the length as a C int; a longer scan gives wrong answers silently
+        self.scan_int_max = 2**31 - 1
+
+    def held(self) -> int:
+        return sum(p.total_bytes() for p in self.pools)
+
+    def reset(self) -> None:
+        self.limit = None
+        self.allocations.clear()
+        self.h2d.clear()
+        self.peak = 0
+        self.scan_int_max = 2**31 - 1
+
+
+DEVICE = _Device()
+#: every synchronisation (explicit or implicit) since the last :func:`reset`
+SYNCS = [0]
+
+
+def _round(n: int) -> int:
+    return max(512, (int(n) + 511) // 512 * 512)  # CuPy's pool rounds to 512 bytes
+
+
+class MemoryPool:
+    """Caches freed blocks (best fit) until ``free_all_blocks``; ``set_limit`` caps it."""
+
+    def __init__(self) -> None:
+        self._used = 0
+        self._cached: list[int] = []
+        self._limit = 0
+        DEVICE.pools.add(self)
+
+    # CuPy's API
+    def malloc(self, size: int) -> Any:  # only its __self__ matters to using_allocator
+        raise NotImplementedError("the fake allocates through cupy.empty & co.")
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    def free_bytes(self) -> int:
+        return sum(self._cached)
+
+    def total_bytes(self) -> int:
+        return self._used + sum(self._cached)
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        self._cached.clear()
+
+    def set_limit(self, size: int | None = None, fraction: float | None = None) -> None:
+        self._limit = int(size or 0)
+
+    def get_limit(self) -> int:
+        return self._limit
+
+    # the fake's side
+    def take(self, nbytes: int) -> int:
+        size = _round(nbytes)
+        fits = [b for b in self._cached if b >= size]
+        if fits:
+            block = min(fits)
+            self._cached.remove(block)
+        else:
+            block = size
+            over_pool = self._limit and self.total_bytes() + block > self._limit
+            over_device = DEVICE.limit is not None and DEVICE.held() + block > DEVICE.limit
+            if over_pool or over_device:
+                self.free_all_blocks()  # CuPy frees its cache and tries once more
+                over_pool = self._limit and self.total_bytes() + block > self._limit
+                over_device = DEVICE.limit is not None and DEVICE.held() + block > DEVICE.limit
+                if over_pool or over_device:
+                    raise OutOfMemoryError(size, self.total_bytes(), self._limit or DEVICE.limit or 0)
+        self._used += block
+        DEVICE.allocations.append(int(nbytes))
+        DEVICE.peak = max(DEVICE.peak, DEVICE.held())
+        return block
+
+    def give_back(self, block: int) -> None:
+        self._used -= block
+        self._cached.append(block)
+
+
+class PinnedMemoryPool:
+    def __init__(self) -> None:
+        self.frees = 0
+
+    def free_all_blocks(self) -> None:
+        self.frees += 1
+
+
+_default_pool = MemoryPool()
+_pinned_pool = PinnedMemoryPool()
+_tls = threading.local()
+
+
+def _current_pool() -> MemoryPool:
+    stack = getattr(_tls, "pools", None)
+    return stack[-1] if stack else _default_pool
+
+
+@contextlib.contextmanager
+def using_allocator(allocator: Any = None):
+    pool = getattr(allocator, "__self__", None) if allocator is not None else _default_pool
+    if not isinstance(pool, MemoryPool):
+        raise TypeError("the fake supports using_allocator(MemoryPool().malloc) only")
+    _tls.__dict__.setdefault("pools", []).append(pool)
+    try:
+        yield
+    finally:
+        _tls.pools.pop()
+
+
+def _track(owner: np.ndarray) -> None:
+    """Account ``owner``'s memory to the current pool until it is garbage-collected."""
+    pool = _current_pool()
+    block = pool.take(owner.nbytes)
+    weakref.finalize(owner, pool.give_back, block)
+
+
+# --------------------------------------------------------------------------------------
+# device arrays
+# --------------------------------------------------------------------------------------
 class MemoryPointer:
     def __init__(self, ptr: int, owner: Any = None) -> None:
         self.ptr = int(ptr)
@@ -62,12 +198,13 @@ class MemoryPointer:
         return MemoryPointer(self.ptr + int(offset), self._owner)
 
     def copy_from_host_async(self, mem: ctypes.c_void_p, size: int, stream: Any = None) -> None:
-        _check_stream(stream)
-        ctypes.memmove(self.ptr, mem.value, int(size))
+        _stream_of(stream)
+        DEVICE.h2d.append(int(size))
+        ctypes.memmove(self.ptr, mem.value, int(size))  # device work runs at once, in order
 
     def copy_to_host_async(self, mem: ctypes.c_void_p, size: int, stream: Any = None) -> None:
-        _check_stream(stream)
-        ctypes.memmove(mem.value, self.ptr, int(size))
+        # the bytes as of now, delivered to the host only at synchronisation
+        _stream_of(stream).pending.append((int(mem.value), ctypes.string_at(self.ptr, int(size))))
 
 
 class DevArray(np.ndarray):
@@ -78,68 +215,190 @@ class DevArray(np.ndarray):
         return MemoryPointer(self.ctypes.data, self)
 
     def set(self, arr: np.ndarray, stream: Any = None) -> None:
-        _check_stream(stream)
+        _stream_of(stream)
         if isinstance(arr, DevArray):
             raise TypeError("set() takes a host array")
-        np.copyto(self, arr)
+        np.copyto(self.view(np.ndarray), arr)
+
+    def get(self, stream: Any = None) -> np.ndarray:
+        _implicit_sync()
+        return np.array(self.view(np.ndarray), copy=True)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        plain = tuple(x.view(np.ndarray) if isinstance(x, DevArray) else x for x in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, DevArray) else o for o in kwargs["out"])
+            getattr(ufunc, method)(*plain, **kwargs)
+            outs = kwargs["out"]
+            return _dev_view(outs[0]) if len(outs) == 1 else tuple(_dev_view(o) for o in outs)
+        return _dev(getattr(ufunc, method)(*plain, **kwargs))
+
+    def __getitem__(self, key: Any) -> Any:
+        mine = self.view(np.ndarray)
+        res = mine[_plain(key)]
+        if isinstance(res, np.ndarray) and np.may_share_memory(res, mine):
+            return res.view(DevArray)  # a view: no allocation
+        return _dev(res)  # fancy indexing, or a scalar (a 0-d device array, as in CuPy)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.view(np.ndarray)[_plain(key)] = value.view(np.ndarray) if isinstance(value, DevArray) else value
+
+    def astype(self, dtype, *args, **kwargs):  # type: ignore[override]
+        return _dev(self.view(np.ndarray).astype(dtype, *args, **kwargs))
+
+    def copy(self, *args, **kwargs):  # type: ignore[override]
+        return _dev(self.view(np.ndarray).copy(*args, **kwargs))
+
+    # implicit synchronisations (CuPy copies the value to the host on the current stream)
+    def __int__(self) -> int:
+        _implicit_sync()
+        return int(self.view(np.ndarray))
+
+    def __index__(self) -> int:
+        _implicit_sync()
+        return int(self.view(np.ndarray))
+
+    def __float__(self) -> float:
+        _implicit_sync()
+        return float(self.view(np.ndarray))
+
+    def __bool__(self) -> bool:
+        _implicit_sync()
+        return bool(self.view(np.ndarray))
+
+    def item(self, *args):  # type: ignore[override]
+        _implicit_sync()
+        return self.view(np.ndarray).item(*args)
+
+
+def _plain(key: Any) -> Any:
+    if isinstance(key, DevArray):
+        return key.view(np.ndarray)
+    if isinstance(key, tuple):
+        return tuple(_plain(k) for k in key)
+    return key
 
 
 def _dev(x: Any) -> Any:
-    if isinstance(x, np.ndarray) and not isinstance(x, DevArray):
-        return x.view(DevArray)
+    """A fresh result of a numpy call as a device array, its memory taken from the pool."""
+    if isinstance(x, DevArray):
+        return x
+    if isinstance(x, np.ndarray):
+        owner = x if x.base is None else np.array(x, copy=True)
+        _track(owner)
+        return owner.view(DevArray)
+    if isinstance(x, np.generic):
+        return _dev(np.asarray(x))
     if isinstance(x, tuple):
         return tuple(_dev(v) for v in x)
     return x
 
 
+def _dev_view(x: Any) -> Any:
+    return x.view(DevArray) if isinstance(x, np.ndarray) and not isinstance(x, DevArray) else x
+
+
+def asnumpy(a: Any, stream: Any = None) -> np.ndarray:
+    _implicit_sync()
+    return np.array(a.view(np.ndarray) if isinstance(a, DevArray) else a, copy=True)
+
+
+# --------------------------------------------------------------------------------------
+# streams, events, devices
+# --------------------------------------------------------------------------------------
+_ALL_STREAMS: weakref.WeakSet = weakref.WeakSet()
+
+
 class Stream:
-    current: "Stream | None" = None
+    null: "Stream"
 
     def __init__(self, non_blocking: bool = False) -> None:
         self.non_blocking = non_blocking
-        self.synchronized = 0
-        self._prev: list[Stream | None] = []
+        self.pending: list[tuple[int, bytes]] = []
+        self.delivered = 0  # copies delivered so far (events compare against it)
+        _ALL_STREAMS.add(self)
 
     def __enter__(self) -> "Stream":
-        self._prev.append(Stream.current)
-        Stream.current = self
+        stack = _tls.__dict__.setdefault("streams", [])
+        stack.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        Stream.current = self._prev.pop()
+        _tls.streams.pop()
+
+    def _deliver(self, upto: int | None = None) -> None:
+        n = len(self.pending) if upto is None else max(0, upto - self.delivered)
+        for dst, data in self.pending[:n]:
+            ctypes.memmove(dst, data, len(data))
+        del self.pending[:n]
+        self.delivered += n
 
     def synchronize(self) -> None:
-        self.synchronized += 1
+        SYNCS[0] += 1
+        self._deliver()
+
+    @property
+    def enqueued(self) -> int:
+        return self.delivered + len(self.pending)
 
 
-def _check_stream(stream: Any) -> None:
-    if stream is not None and not isinstance(stream, Stream):
+Stream.null = Stream()
+
+
+def _current_stream() -> Stream:
+    stack = getattr(_tls, "streams", None)
+    return stack[-1] if stack else Stream.null
+
+
+def _stream_of(stream: Any) -> Stream:
+    if stream is None:
+        return _current_stream()
+    if not isinstance(stream, Stream):
         raise TypeError(f"stream must be a Stream, got {type(stream).__name__}")
+    return stream
+
+
+def _implicit_sync() -> None:
+    _current_stream().synchronize()
 
 
 class Event:
     def __init__(self) -> None:
         self.t: float | None = None
+        self._stream: Stream | None = None
+        self._mark = 0
 
     def record(self, stream: Any = None) -> None:
-        _check_stream(stream)
+        self._stream = _stream_of(stream)
+        self._mark = self._stream.enqueued
         self.t = time.perf_counter()
 
+    @property
+    def done(self) -> bool:
+        return self._stream is not None and self._stream.delivered >= self._mark
+
     def synchronize(self) -> None:
-        if self.t is None:
+        if self._stream is None:
             raise RuntimeError("event never recorded")
+        SYNCS[0] += 1
+        self._stream._deliver(self._mark)
 
 
 def get_elapsed_time(a: Event, b: Event) -> float:
     if a.t is None or b.t is None:
         raise RuntimeError("cudaErrorInvalidResourceHandle: event never recorded")
+    if not (a.done and b.done):
+        raise RuntimeError("cudaErrorNotReady: an event has not completed (no synchronisation after it)")
     return max(0.0, (b.t - a.t) * 1e3)
 
 
 class Device:
+    #: multiprocessors of the fake device (the engine sizes its grid from it)
+    sms = 2
+
     def __init__(self, id: int | None = None) -> None:
         self.id = 0 if id is None else int(id)
-        self.attributes = {"MultiProcessorCount": 2}
+        self.attributes = {"MultiProcessorCount": Device.sms}
 
     def __enter__(self) -> "Device":
         return self
@@ -147,72 +406,102 @@ class Device:
     def __exit__(self, *exc: Any) -> None:
         pass
 
+    def synchronize(self) -> None:
+        SYNCS[0] += 1
+        for s in list(_ALL_STREAMS):
+            s._deliver()
+
+
+
+
+# --------------------------------------------------------------------------------------
+# kernels: the source's __global__ functions, emulated on the host
+# --------------------------------------------------------------------------------------
+class LaunchLog:
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, int, int, int]] = []  # (kernel, grid, block, W)
+
 
 class _Kernel:
-    def __init__(self, fn: Any, proto: list, name: str, module: "RawModule") -> None:
-        self._fn, self._proto, self._name, self._module = fn, proto, name, module
+    def __init__(self, fn: Any, params: list, name: str, module: "RawModule") -> None:
+        self._fn, self._params, self._name, self._module = fn, params, name, module
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, **kwargs: Any) -> None:
         if kwargs:
             raise TypeError(f"unexpected launch options {sorted(kwargs)}")
         for dims in (grid, block):
-            if not isinstance(dims, tuple) or not dims or not all(isinstance(d, int) and d >= 1 for d in dims):
-                raise ValueError(f"{self._name}: bad launch dims {dims!r}")
+            if not isinstance(dims, tuple) or len(dims) != 1 or not all(isinstance(d, int) and d >= 1 for d in dims):
+                raise ValueError(f"{self._name}: bad launch dims {dims!r} (the kernels are one-dimensional)")
         if block[0] > 1024:
             raise ValueError(f"{self._name}: block {block} over 1024 threads")
-        if len(args) != len(self._proto):
-            raise TypeError(f"{self._name}: {len(args)} arguments for {len(self._proto)} parameters")
-        for a, (pname, kind, dtype) in zip(args, self._proto):
+        if grid[0] > 2**31 - 1:
+            raise ValueError(f"{self._name}: grid {grid} over the x-dimension limit")
+        if len(args) != len(self._params):
+            raise TypeError(f"{self._name}: {len(args)} arguments for {len(self._params)} parameters")
+        cargs = []
+        for a, (pname, kind, dtype, _) in zip(args, self._params):
             if kind == "ptr":
                 if not isinstance(a, DevArray) or a.dtype != dtype or not a.flags.c_contiguous:
                     raise TypeError(f"{self._name}: parameter {pname} wants a contiguous device {np.dtype(dtype)} "
                                     f"array, got {type(a).__name__} {getattr(a, 'dtype', '')}")
-            elif type(a) is not dtype:
-                raise TypeError(f"{self._name}: parameter {pname} wants {np.dtype(dtype)}, got {type(a).__name__}")
+                cargs.append(ctypes.c_void_p(a.ctypes.data))
+            else:
+                if type(a) is not dtype:
+                    raise TypeError(f"{self._name}: parameter {pname} wants {np.dtype(dtype)}, got {type(a).__name__}")
+                cargs.append(ctypes.c_ulonglong(int(a)) if dtype is np.uint64 else ctypes.c_longlong(int(a)))
         self._module.launches.append(self._name)
+        w = next((int(a) for a, p in zip(args, self._params) if p[0] == "W"), -1)
+        LAUNCHES.launches.append((self._name, grid[0], block[0], w))
         if self._module.fail_next:
             self._module.fail_next = False
             raise RuntimeError("cudaErrorLaunchFailure: simulated lost device")
-        cargs = [ctypes.c_void_p(a.ctypes.data) if kind == "ptr" else
-                 (ctypes.c_ulonglong(int(a)) if dtype is np.uint64 else ctypes.c_longlong(int(a)))
-                 for a, (_, kind, dtype) in zip(args, self._proto)]
-        self._fn(*cargs)
+        order = cuda_host.shuffled_threads(grid[0], block[0], _RNG)
+        self._fn(order.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(order.size),
+                 ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *cargs)
+
+
+_RNG = np.random.default_rng(2718)
+LAUNCHES = LaunchLog()
 
 
 class RawModule:
-    """Compiles ``code`` with the host C compiler; kernels run as their host loops."""
+    """Builds ``code`` as host C++ (``tests/cuda_host.py``); kernels run over shuffled threads."""
 
     instances: list["RawModule"] = []
+    _cache: dict[str, tuple[Any, Any]] = {}
 
     def __init__(self, code: str, options: tuple = (), **kwargs: Any) -> None:
-        cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if cc is None:
-            raise RuntimeError("no C compiler for the fake device")
-        self._dir = tempfile.TemporaryDirectory(prefix="fake_cupy_")
-        src, lib = Path(self._dir.name) / "k.c", Path(self._dir.name) / "k.so"
-        src.write_text(code)
-        res = subprocess.run([cc, "-O2", "-std=gnu99", "-shared", "-fPIC", "-x", "c", str(src), "-o", str(lib)],
-                             capture_output=True, text=True)
-        if res.returncode:
-            raise RuntimeError(f"compile failed: {res.stderr}")
-        self._lib = ctypes.CDLL(str(lib))
-        self._protos = parse_prototypes(code)
+        if code not in RawModule._cache:
+            d = tempfile.TemporaryDirectory(prefix="fake_cupy_")
+            lib = cuda_host.build(code, Path(d.name), shared=True)
+            RawModule._cache[code] = (d, ctypes.CDLL(str(lib)))
+        self._lib = RawModule._cache[code][1]
+        self._params = cuda_host.kernel_params(code)
         self.options = options
         self.launches: list[str] = []
         self.fail_next = False
         RawModule.instances.append(self)
 
     def get_function(self, name: str) -> _Kernel:
-        host = name.replace("_kernel", "_host")
-        if name not in self._protos or host not in self._protos:
-            raise RuntimeError(f"no kernel {name} in the module")
-        if [p[1:] for p in self._protos[name]] != [p[1:] for p in self._protos[host]]:
-            raise RuntimeError(f"{name} and {host} disagree on their parameters")
-        fn = getattr(self._lib, host)
+        if name not in self._params:
+            raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: named symbol not found: {name}")
+        fn = getattr(self._lib, f"bm_emu_launch_{name}")
         fn.restype = None
-        return _Kernel(fn, self._protos[name], name, self)
+        return _Kernel(fn, self._params[name], name, self)
 
 
+def reset() -> None:
+    """Forget counters, records and limits (each test starts from a clean device)."""
+    SYNCS[0] = 0
+    DEVICE.reset()
+    LAUNCHES.launches.clear()
+    RawModule.instances.clear()
+    _default_pool.free_all_blocks()
+
+
+# --------------------------------------------------------------------------------------
+# the module objects
+# --------------------------------------------------------------------------------------
 def _make_cupy() -> types.ModuleType:
     cp = types.ModuleType("fake_cupy")
     cp.__dict__["__name__"] = "fake_cupy"
@@ -222,28 +511,41 @@ def _make_cupy() -> types.ModuleType:
 
     def wrap(fn):
         def inner(*args, **kwargs):
+            args = tuple(a.view(np.ndarray) if isinstance(a, DevArray) else a for a in args)
             return _dev(fn(*args, **kwargs))
         inner.__name__ = fn.__name__
         return inner
 
-    for name in ("empty", "zeros", "arange", "searchsorted", "ascontiguousarray", "concatenate", "full"):
+    for name in ("empty", "zeros", "arange", "searchsorted", "ascontiguousarray", "concatenate", "full",
+                 "where", "nonzero"):
         setattr(cp, name, wrap(getattr(np, name)))
 
     def cumsum(a, axis=None, dtype=None, out=None):
+        a = a.view(np.ndarray) if isinstance(a, DevArray) else a
+        res = np.cumsum(a, axis=axis, dtype=dtype)
+        if res.size > DEVICE.scan_int_max:  # CuPy: the length cast to int; past it, garbage
+            res[DEVICE.scan_int_max:] = 0
         if out is not None:
-            np.cumsum(a, axis=axis, dtype=dtype, out=out)
+            np.copyto(out.view(np.ndarray), res)
             return out
-        return _dev(np.cumsum(a, axis=axis, dtype=dtype))
+        return _dev(res)
 
     def asarray(a, dtype=None):
-        return _dev(np.array(a, dtype=dtype, copy=True))  # to the "device": always a copy
+        if isinstance(a, DevArray) and (dtype is None or a.dtype == dtype):
+            return a
+        return _dev(np.array(a.view(np.ndarray) if isinstance(a, DevArray) else a, dtype=dtype, copy=True))
 
     def array(a, dtype=None, copy=True):
-        return _dev(np.array(a, dtype=dtype, copy=True))
+        return _dev(np.array(a.view(np.ndarray) if isinstance(a, DevArray) else a, dtype=dtype, copy=True))
 
-    cp.cumsum, cp.asarray, cp.array = cumsum, asarray, array
+    cp.cumsum, cp.asarray, cp.array, cp.asnumpy = cumsum, asarray, array, asnumpy
+    cp.get_default_memory_pool = lambda: _default_pool
+    cp.get_default_pinned_memory_pool = lambda: _pinned_pool
+    memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError, MemoryPool=MemoryPool)
     cuda = types.SimpleNamespace(
         Device=Device, Stream=Stream, Event=Event, get_elapsed_time=get_elapsed_time,
+        MemoryPool=MemoryPool, PinnedMemoryPool=PinnedMemoryPool, using_allocator=using_allocator,
+        memory=memory,
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
                                       getDeviceProperties=lambda i: {"name": b"Fake numpy device"}),
     )
@@ -252,6 +554,10 @@ def _make_cupy() -> types.ModuleType:
     return cp
 
 
+def _empty_pinned(shape, dtype=float):
+    return np.empty(shape, dtype=dtype)
+
+
 #: The stand-ins: ``cupy`` and ``cupyx`` (pinned host arrays are plain numpy arrays).
 cupy = _make_cupy()
-cupyx = types.SimpleNamespace(empty_pinned=lambda shape, dtype=float: np.empty(shape, dtype=dtype))
+cupyx = types.SimpleNamespace(empty_pinned=_empty_pinned)
