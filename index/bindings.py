@@ -39,7 +39,7 @@ import numpy as np
 
 from .blend_index import BlendIndex
 from .capacity import UsageLedger
-from .indexable import content_indexable
+from .indexable import content_indexable, namespace_indexable
 from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
 from .wire import TIERS, EventBatch, KeyScope
 from .types import BlendNamespace, ObjectKey
@@ -254,6 +254,12 @@ class BindingStore:
         if b.indexed and self.content_in_index(b) and all(sc.namespace != ns for sc, _ in rest):
             self.before_index_write()
             self.index.remove_claim(b.tokens, h, ns)  # type: ignore[union-attr]
+            if rest and not any(namespace_indexable(sc.namespace) for sc, _ in rest):
+                # that was the last claim (world-size-0 keys are never claimed): the index
+                # frees the row and may reuse it, so the binding keeps a copy of its own
+                own = b.tokens.copy()  # type: ignore[union-attr]
+                own.setflags(write=False)
+                b.tokens = own
         if not rest:
             del self.bindings[h]
             if b.tokens is not None:

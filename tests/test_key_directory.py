@@ -639,3 +639,17 @@ def test_restore_sequence_lmcache_misses_is_indexed_here(d, feed):
     assert hits(d, X) == []
     feed.store("a", E(1, X, offset=8))
     assert hits(d, X) == [(H(1), 8, 0)]
+
+
+def test_a_binding_outlives_its_last_claim_with_its_own_tokens():
+    """A chunk kept only by world-size-0 keys (never claimed) after its last claimed key left:
+    the index freed its row, so the binding must not keep a view of it (the next content
+    stored reused the row, and the chunk's tokens read as another chunk's)."""
+    d = KeyDirectory()
+    d.enable_blend_lookup(chunk_size=C, engine="reference")
+    f = Feed(d)
+    f.store("a", E(1, X, offset=0), E(1, X, offset=0, kv_rank=0))  # ws 1 (claimed) and ws 0 (not)
+    f.delete("a", E(1))  # the claimed key leaves: its claim was the content's last
+    f.store("a", E(2, Y, offset=0))  # new content may take the freed row
+    assert d.get_token_ids([H(1)])[0].tolist() == X
+    assert d.blend_match(np.array(X + Y, dtype=np.uint32), NS) == [BlendMatch(H(2), 0, 4)]
