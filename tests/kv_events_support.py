@@ -130,7 +130,7 @@ def expected_holders(d: KeyDirectory, int_hashes: bool = False) -> dict[tuple[st
 class Workload:
     """A seeded stream of event requests (and out-of-band fences) over a few instances:
     stores with and without tokens, wrong-length content, re-stores with other content,
-    deletes, several ranks, models and salts per chunk, private L1 and L2, shared L2 pools,
+    deletes, several ranks (world size 0 too: never claimed), models and salts per chunk, private L1 and L2, shared L2 pools,
     restarts (incarnation bumps), deregistrations and fences."""
 
     def __init__(self, seed: int, chunk_size: int, *, instances=("gpu-a", "gpu-b", "gpu-c"), n_hashes: int = 40):
@@ -161,7 +161,7 @@ class Workload:
         for k in range(rng.randint(1, 6)):
             h = rng.randbytes(16) if fresh else rng.choice(self.hashes)
             e: dict[str, Any] = {"key": {"chunk_hash_hex": h.hex(), "model_name": rng.choice(("llama", "qwen")),
-                                         "kv_rank": rng.choice((1 << 24, (2 << 24) | 1, (2 << 24))),
+                                         "kv_rank": rng.choice((1 << 24, (2 << 24) | 1, (2 << 24), 0)),
                                          "cache_salt": rng.choice(("", "", "tenant-x"))}}
             if kind == "store":
                 r = rng.random()
