@@ -651,7 +651,7 @@ class BlendIndex:
         if self._c["occ"][row] < 0:
             fp = int(self._c["fp"][row])
             self._fpmap.delete(fp)
-            self._slots.remove(np.array([fp], dtype=np.uint64))
+            self._slots_write(self._slots.remove, np.array([fp], dtype=np.uint64))
             self._c["occ"][row] = _FREE
             self._c.free(row)
 
