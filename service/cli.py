@@ -211,6 +211,10 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-ports-from", type=int, default=0,
                    help=_help("with --workers: worker i also serves alone on this port + i, so that metrics "
                               "scrapes and readiness probes can reach each worker (0: off)", default="off"))
+    # issue 24 flags
+    p.add_argument("--hash-algorithm", default=d["hash_algorithm"].default,
+                   help=_help(d["hash_algorithm"].description + "; must equal the MP servers'; vLLM's functions "
+                              "seed with PYTHONHASHSEED as vLLM does", f"{coord} --hash-algorithm"))
     g.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set on --workers children
     g.add_argument("--own-port", type=int, default=0, help=argparse.SUPPRESS)  # a child's --worker-ports-from port
 
@@ -222,8 +226,6 @@ LMCACHE_IGNORED_FLAGS: tuple[tuple[str, dict, str], ...] = (
     ("--eviction-check-interval", {"type": float}, "blendmatch runs no L2 eviction controller"),
     ("--eviction-ratio", {"type": float}, "blendmatch runs no L2 eviction controller"),
     ("--trigger-watermark", {"type": float}, "blendmatch runs no L2 eviction controller"),
-    ("--hash-algorithm", {}, "blendmatch has no token hasher (pins and the token form of /directory/lookup "
-                             "are not served here)"),
     ("--extra-config", {}, "blendmatch loads no out-of-tree controllers (run in front of an LMCache coordinator "
                            "with --upstream-coordinator to keep them)"),
     ("--metadata-path", {}, "blendmatch keeps no pins or quotas (--upstream-coordinator proxies them to an LMCache "
@@ -352,7 +354,7 @@ def config_from_args(args: argparse.Namespace):  # -> ServiceConfig
 
     return ServiceConfig(
         host=args.host, port=args.port, chunk_size=args.chunk_size, blend_probe_stride=args.blend_probe_stride,
-        enable_blend_lookup=args.enable_blend_lookup, engine=args.engine, max_batch_tokens=args.max_batch_tokens,
+        enable_blend_lookup=args.enable_blend_lookup, hash_algorithm=args.hash_algorithm, engine=args.engine, max_batch_tokens=args.max_batch_tokens,
         max_batch_wait_ms=args.max_batch_wait_ms, max_request_tokens=args.max_request_tokens,
         max_body_bytes=args.max_body_bytes, engine_threads=args.engine_threads, log_level=args.log_level,
         gc_freeze_ingest_bytes=GC_FREEZE_INGEST_BYTES,

@@ -38,6 +38,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blendmatch.gpu import EngineName
+from blendmatch.index.token_hasher import ALGORITHMS, DEFAULT_ALGORITHM, UnknownHashAlgorithm
 from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS
 
 __all__ = ["ServiceConfig", "LogLevel", "BODY_BYTES_PER_TOKEN", "BODY_SLACK_BYTES"]
@@ -61,6 +62,10 @@ class ServiceConfig(BaseModel):
     chunk_size: int = Field(default=256, ge=1, description="tokens per KV chunk (the match window)")
     blend_probe_stride: int = Field(default=1, ge=1, description="query positions between probes")
     enable_blend_lookup: bool = Field(default=True, description="index chunk content for blend lookups")
+    hash_algorithm: str = Field(default=DEFAULT_ALGORITHM,
+                                description="the fleet's token hash (LMCache's --hash-algorithm): "
+                                            + ", ".join(ALGORITHMS) + "; resolves the token form of "
+                                            "/directory/lookup to keys")
     engine: EngineName = "auto"
     max_batch_tokens: int = Field(default=1 << 18, ge=1, description="token budget of one engine batch")
     max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
@@ -133,6 +138,13 @@ class ServiceConfig(BaseModel):
                                                             "role; empty: <topic>-reaper")
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000, le=300_000,
                                           description="the reaper role moves this long after its holder died")
+
+    @field_validator("hash_algorithm")
+    @classmethod
+    def _check_hash_algorithm(cls, name: str) -> str:
+        if name not in ALGORITHMS:
+            raise ValueError(str(UnknownHashAlgorithm(name)))
+        return name
 
     @field_validator("upstream_coordinator")
     @classmethod

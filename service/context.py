@@ -28,6 +28,7 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Callable, TypeVar
@@ -38,6 +39,7 @@ from fastapi import Depends, Request
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
+from blendmatch.index.token_hasher import TokenHasher, vllm_none_hash_seed
 from blendmatch.index.tokens import TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count, decode_b64_many
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
@@ -124,6 +126,10 @@ class ServiceContext:
         self.config = config
         self.directory = directory if directory is not None else build_directory(config)
         self.metrics = ServiceMetrics(snapshot=self.snapshot)
+        #: The fleet's token hasher (``--hash-algorithm``; vLLM's functions seed NONE_HASH
+        #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
+        self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
+                                        none_hash_seed=vllm_none_hash_seed(os.environ))
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
             cost=query_tokens,
