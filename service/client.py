@@ -368,10 +368,10 @@ class BlendClient:
         return None if self._closed else pool
 
     def _learn_chunk_size(self, pool: MatchPool) -> None:
-        """Ask the server its chunk size once (``blend.chunk_size`` of ``/directory/stats``);
+        """Ask the server its chunk size once (``blendmatch.chunk_size`` of ``/directory/stats``);
         on any failure keep sending every non-empty query (correct, only less frugal)."""
         try:
-            size = self._call("GET", "/directory/stats", timeout=self.request_timeout)["blend"]["chunk_size"]
+            size = self._call("GET", "/directory/stats", timeout=self.request_timeout)["blendmatch"]["chunk_size"]
         except Exception as exc:
             logger.info("blend match client: the server's chunk size is unknown (%s: %s); every non-empty "
                         "query is sent", type(exc).__name__, exc)

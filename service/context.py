@@ -437,19 +437,32 @@ class ServiceContext:
         return snap
 
     def stats(self) -> dict[str, Any]:
-        """``GET /directory/stats``: directory counts, ``blend`` (index stats), ``engine``, ``batcher``."""
-        stats = dict(self.directory.stats())
-        # LMCache's blend fields are always there (zeros while blend lookup is off)
-        stats["blend"] = stats.pop("blend_index", None) or {
-            "num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0}
-        stats["registry"] = self.registry.counters()
+        """``GET /directory/stats``: LMCache's names at the top (and nothing else there), ours
+        under ``blendmatch``: the directory's own counts, ``blend`` (the index's full stats),
+        ``registry``, ``log`` (Kafka mode), ``engine``, ``batcher``, ``chunk_size``."""
+        ours = dict(self.directory.stats())
+        index_stats = ours.pop("blend_index", None) or {}
+        ours["blend"] = index_stats
+        ours["chunk_size"] = self.config.chunk_size
+        ours["registry"] = self.registry.counters()
         if self.source is not None:
-            stats["log"] = self.source.stats()
-        stats["engine"] = self.engine_info()
-        stats["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
-                            "max_batch_tokens": self.config.max_batch_tokens,
-                            "max_batch_wait_ms": self.config.max_batch_wait_ms}
-        return stats
+            ours["log"] = self.source.stats()
+        ours["engine"] = self.engine_info()
+        ours["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
+                           "max_batch_tokens": self.config.max_batch_tokens,
+                           "max_batch_wait_ms": self.config.max_batch_wait_ms}
+        top = {name: ours.pop(name) for name in _LMCACHE_STATS if name in ours}
+        # LMCache's blend fields are always there (zeros while blend lookup is off)
+        top["blend"] = {name: index_stats.get(name, 0) for name in _LMCACHE_BLEND_STATS}
+        top["blendmatch"] = ours
+        return top
+
+
+#: LMCache 0.5.6's ``DirectoryStats`` names (``GET /directory/stats``'s top level) besides
+#: ``blend``, and its ``BlendIndexStats`` names (``blend``'s).
+_LMCACHE_STATS = ("num_keys", "num_placements", "l1_keys_by_instance", "l1_count", "l1_size_bytes", "l2_count",
+                  "l2_size_bytes")
+_LMCACHE_BLEND_STATS = ("num_contents", "num_chunks", "num_claims", "num_namespaces", "table_size")
 
 
 async def get_context(request: Request) -> ServiceContext:

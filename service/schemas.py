@@ -45,7 +45,6 @@ __all__ = [
     "DirectoryLookupRequest",
     "DirectoryLookupResponse",
     "DirectoryStatsResponse",
-    "EngineInfo",
     "MAX_LOOKUP_KEYS",
     "PlacementModel",
     "HealthResponse",
@@ -224,33 +223,26 @@ class DirectoryListResponse(BaseModel):
     next_offset: int | None = None
 
 
-class EngineInfo(BaseModel):
-    name: str
-    reason: str
-
-
 class DirectoryStatsResponse(BaseModel):
-    """``GET /directory/stats``: the directory's counts (as ``KeyDirectory.stats()`` reports
-    them), ``blend`` (the blend index's stats; empty when blend lookup is disabled),
-    ``engine`` (the probe engine in use and why) and ``batcher`` (micro-batcher totals)."""
+    """``GET /directory/stats``: LMCache 0.5.6's ``DirectoryStats`` at the top level (same
+    names and meaning, nothing else there: LMCache's tests assert what is absent), and ours
+    under ``blendmatch``: the directory's counts (``keys``, ``chunk_hashes``, ``placements``,
+    ``token_bindings``, ``l1_keys_per_instance``, ``instances`` (each emitter's
+    ``incarnation`` and ``last_seq``), ``events``, ``capacity``, ``blend_lookup_enabled``),
+    ``blend`` (the blend index's full stats; empty when blend lookup is disabled),
+    ``chunk_size``, ``registry``, ``log`` (Kafka mode), ``engine`` (the probe engine in use
+    and why) and ``batcher`` (micro-batcher totals)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    # LMCache 0.5.6's DirectoryStats fields, same names and meaning
     num_keys: int
     num_placements: int
     l1_keys_by_instance: dict[str, int]
+    blend: dict[str, int] = Field(description="LMCache's BlendIndexStats: num_contents, num_chunks, num_claims, "
+                                              "num_namespaces, table_size (zeros while blend lookup is off)")
     l1_count: int
     l1_size_bytes: int
     l2_count: int
     l2_size_bytes: int
-    blend: dict[str, Any] = Field(description="num_contents, num_chunks, num_claims, num_namespaces, table_size "
-                                              "(LMCache's), plus ours")
-    # ours
-    keys: int
-    placements: int
-    engine: EngineInfo
-    batcher: dict[str, Any]
+    blendmatch: dict[str, Any] = Field(description="ours (see docs/service.md)")
 
 
 class HealthResponse(BaseModel):
