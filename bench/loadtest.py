@@ -450,7 +450,7 @@ async def _snapshot(host: str, port: int, replica: Any = None, tries: int = 12
 
 
 def _replica_of(stats: dict[str, Any]) -> Any:
-    log = stats.get("log")
+    log = stats.get("blendmatch", {}).get("log")
     return log.get("replica_id") if isinstance(log, dict) else None
 
 
@@ -516,7 +516,8 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
     if snap0 is not None and snap1 is not None:  # one process's batches (one worker's with --workers)
         (before, buckets0), (after, buckets1) = snap0, snap1
         res.batch_histogram = _histogram(buckets0, buckets1)
-        b0, b1 = before.get("batcher"), after.get("batcher")  # absent on other servers (LMCache's)
+        # blendmatch's own stats (absent on other servers, LMCache's)
+        b0, b1 = before.get("blendmatch", {}).get("batcher"), after.get("blendmatch", {}).get("batcher")
         batches = b1["batches"] - b0["batches"] if b0 and b1 else 0
         res.mean_batch = (b1["queries"] - b0["queries"]) / batches if batches else None
     if stream is not None:

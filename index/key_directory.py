@@ -190,6 +190,24 @@ class KeyDirectory:
         with self._lock:
             return self._store.lookup(keys)
 
+    def keys_across_object_groups(self, keys: Iterable[ObjectKey]) -> list[ObjectKey]:
+        """Each key followed by the stored keys that differ from it only in object group,
+        in ascending group order (LMCache's ``get_keys_across_object_groups``: a token-form
+        lookup resolves group 0 and reaches the other groups through what is stored)."""
+        out: list[ObjectKey] = []
+        with self._lock:
+            for key in keys:
+                b = self._store.bindings.get(key.chunk_hash)
+                if b is None:
+                    out.append(key)
+                    continue
+                group = [key] + [scope.object_key(key.chunk_hash) for scope, _ in b.members
+                                 if scope.object_group_id != key.object_group_id and scope.model_name == key.model_name
+                                 and scope.kv_rank == key.kv_rank and scope.cache_salt == key.cache_salt]
+                group.sort(key=lambda k: k.object_group_id)
+                out.extend(group)
+        return out
+
     def get_token_ids(self, chunk_hashes: Iterable[bytes]) -> list[Optional[np.ndarray]]:
         """The content bound to each chunk hash (uint32 copies the caller owns), or None
         when the chunk hash is unknown or no STORE carried its tokens yet."""

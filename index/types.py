@@ -24,6 +24,8 @@ __all__ = [
     "check_chunk_hash",
     "check_namespace",
     "check_token_offset",
+    "whole_number",
+    "whole_numbers",
 ]
 
 #: ``token_offset`` of a chunk whose position in its stored sequence is not known. Such a
@@ -133,3 +135,21 @@ def check_namespace(ns: Any) -> None:
     """A namespace argument is a :class:`BlendNamespace`."""
     if not isinstance(ns, BlendNamespace):
         raise ValueError(f"namespace must be a BlendNamespace, got {type(ns).__name__}")
+def whole_number(value: Any) -> Any:
+    """An integer field's value as LMCache reads it: a JSON float with no fractional part
+    (``870926.0``, ``1e3``, ``-0.0``) is that integer, as JSON Schema and LMCache's lax
+    pydantic models say; anything else is returned unchanged for the caller's own check
+    (a fractional float, ``inf``, a string and a boolean stay what they are and are
+    refused there: JSON Schema calls neither ``"5"`` nor ``true`` an integer, though
+    LMCache's pydantic would take them; docs/lmcache.md)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def whole_numbers(values: Any) -> Any:
+    """:func:`whole_number` over a list's items; the list itself (no copy, one C-speed pass)
+    when it holds no float."""
+    if type(values) is list and float in set(map(type, values)):
+        return [whole_number(v) for v in values]
+    return values

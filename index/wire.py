@@ -84,6 +84,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .tokens import TokenArrays, split_token_arrays
+from .types import whole_number
 from .wire_entries import (_INTERN, _NO_TOKENS, INT64_MAX, KV_RANK_MAX, MAX_CACHE_SALT_CHARS,  # noqa: F401 - re-exported
                            MAX_CHUNK_HASH_BYTES, EntryColumns, KeyScope, TokenColumn, _Bad, _empty_entries, _int_reason,
                            _parse_entries, _type_name)
@@ -293,7 +294,7 @@ def _got(value: Any) -> str:
 
 
 def _required_int(raw: dict, name: str, lo: int) -> int:
-    value = raw.get(name)
+    value = whole_number(raw.get(name))
     if type(value) is not int or not lo <= value <= INT64_MAX:
         raise _Bad((name,), _int_reason(value, lo, INT64_MAX))
     return value
@@ -302,7 +303,7 @@ def _required_int(raw: dict, name: str, lo: int) -> int:
 def _optional_int(raw: dict, name: str) -> int:
     """A non-negative integer field that defaults to 0 when absent. ``null`` is an error, as
     in LMCache's schema (an ``int`` field with a default is not nullable)."""
-    value = raw.get(name, 0)
+    value = whole_number(raw.get(name, 0))
     if type(value) is not int or not 0 <= value <= INT64_MAX:
         raise _Bad((name,), _int_reason(value, 0, INT64_MAX))
     return value

@@ -23,7 +23,7 @@ import numpy as np
 
 from .tokens import (TokenArrays, TokenDecodeError, decode_b64, decode_b64_many, pack_token_lists, packed_token_ids,
                      split_token_arrays)
-from .types import UNKNOWN_TOKEN_OFFSET, BlendNamespace, ObjectKey, world_size_of_kv_rank
+from .types import UNKNOWN_TOKEN_OFFSET, BlendNamespace, ObjectKey, whole_number, whole_numbers, world_size_of_kv_rank
 
 __all__ = ["INT64_MAX", "KV_RANK_MAX", "MAX_CACHE_SALT_CHARS", "MAX_CHUNK_HASH_BYTES", "EntryColumns", "KeyScope",
            "TokenColumn"]
@@ -387,7 +387,15 @@ def _parse_entries_slow(raw: list, arrays: Optional[TokenArrays] = None) -> Entr
                     lengths.append(len(tokens))
                     continue
                 except (OverflowError, TypeError):
-                    _check_token_types(tokens, ("token_ids",))  # raises for non-integers
+                    whole = whole_numbers(tokens)  # integral floats are ids, as in LMCache
+                    if whole is not tokens:
+                        try:
+                            buf.fromlist(whole)
+                            lengths.append(len(whole))
+                            continue
+                        except (OverflowError, TypeError):
+                            pass
+                    _check_token_types(whole, ("token_ids",))  # raises for non-integers
             else:
                 try:
                     packed = packed_token_ids(tokens)
@@ -425,19 +433,19 @@ def _parse_entry(entry: Any, arrays: Optional[TokenArrays] = None) -> tuple[byte
     try:
         chunk_hash = _parse_hash(key.get("chunk_hash_hex"))
         model = _INTERN.model(key.get("model_name"))
-        kv_rank = key.get("kv_rank")
+        kv_rank = whole_number(key.get("kv_rank"))
         if type(kv_rank) is not int or not 0 <= kv_rank <= KV_RANK_MAX:
             raise _Bad(("kv_rank",), _int_reason(kv_rank, 0, KV_RANK_MAX))
-        group = key.get("object_group_id", 0)
+        group = whole_number(key.get("object_group_id", 0))
         if type(group) is not int or not 0 <= group <= INT64_MAX:
             raise _Bad(("object_group_id",), _int_reason(group, 0, INT64_MAX))
         salt = _INTERN.salt(key.get("cache_salt", ""))
     except _Bad as bad:
         raise _Bad(("key",) + bad.loc, bad.reason) from None
-    size = entry.get("size_bytes", 0)
+    size = whole_number(entry.get("size_bytes", 0))
     if type(size) is not int or not 0 <= size <= INT64_MAX:
         raise _Bad(("size_bytes",), _int_reason(size, 0, INT64_MAX))
-    offset = entry.get("token_offset", UNKNOWN_TOKEN_OFFSET)
+    offset = whole_number(entry.get("token_offset", UNKNOWN_TOKEN_OFFSET))
     if type(offset) is not int or not UNKNOWN_TOKEN_OFFSET <= offset <= INT64_MAX:
         raise _Bad(("token_offset",), _int_reason(offset, UNKNOWN_TOKEN_OFFSET, INT64_MAX))
     tokens = entry.get("token_ids", _NO_TOKENS)

@@ -9,12 +9,12 @@ tests and benchmarks.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Optional, Sequence
+from typing import Annotated, Any, Iterable, Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .tokens import B64_TOKENS_PATTERN, TokenDecodeError, decode_b64
-from .types import UNKNOWN_TOKEN_OFFSET
+from .types import UNKNOWN_TOKEN_OFFSET, whole_number, whole_numbers
 from .wire import INT64_MAX, KV_RANK_MAX, MAX_CACHE_SALT_CHARS, MAX_CHUNK_HASH_BYTES
 
 __all__ = [
@@ -66,6 +66,14 @@ def wire_batch(instance_id: str, seq: int, event_type: str = "store", entries: S
     return batch
 
 
+#: An integer field as LMCache reads it (:func:`~blendmatch.index.types.whole_number`): an
+#: integral float is that integer; strings, booleans and fractional floats are refused.
+WholeInt = Annotated[int, BeforeValidator(whole_number)]
+#: ``token_ids`` of an entry: integers (bool accepted as 0/1, as the fast parser does:
+#: ``array('I').fromlist`` takes bools, and refusing them would cost a per-token type check on
+#: the ingest hot path, ~4x its cost), integral floats read as integers.
+WholeInts = Annotated[list[int | bool], BeforeValidator(whole_numbers)]
+
 # The same wire shape as pydantic v2 models: for the OpenAPI schema and as an executable
 # specification (tests check the fast validator above agrees with them). Not used on the
 # ingest path: validating 256 token ids per entry here costs more than the whole ingest.
@@ -79,23 +87,26 @@ class ObjectKeyModel(BaseModel):
     chunk_hash_hex: str = Field(min_length=2, max_length=2 * MAX_CHUNK_HASH_BYTES,
                                 pattern=r"^(?:[0-9a-fA-F]{2})+$")
     model_name: str = Field(min_length=1, pattern=r"^[^@]+$")
-    kv_rank: int = Field(ge=0, le=KV_RANK_MAX)
-    object_group_id: int = Field(default=0, ge=0, le=INT64_MAX)
+    kv_rank: WholeInt = Field(ge=0, le=KV_RANK_MAX)
+    object_group_id: WholeInt = Field(default=0, ge=0, le=INT64_MAX)
     cache_salt: str = Field(default="", max_length=MAX_CACHE_SALT_CHARS, pattern=r"^[^@/\\\x00]*$")
 
 
 class EventEntryModel(BaseModel):
     """One entry; ids outside uint32 in ``token_ids`` are accepted (they fill no binding)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # ``_one_token_form`` in JSON Schema (schemathesis checks that schema-valid bodies are
+    # accepted): not both a non-empty token_ids and a non-empty tokens_b64.
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"not": {
+        "required": ["token_ids", "tokens_b64"],
+        "properties": {"token_ids": {"type": "array", "minItems": 1},
+                       "tokens_b64": {"type": "string", "minLength": 1}}}})
 
     key: ObjectKeyModel
-    size_bytes: int = Field(default=0, ge=0, le=INT64_MAX,
+    size_bytes: WholeInt = Field(default=0, ge=0, le=INT64_MAX,
                             description="bytes of the stored copy; meaningful on store only (ignored on "
                                         "delete and access, where LMCache sends 0)")
-    # bool is accepted as 0/1, as the fast parser does (array('I').fromlist takes bools;
-    # refusing them would cost a per-token type check on the ingest hot path, ~4x its cost).
-    token_ids: list[int | bool] = Field(default_factory=list)
+    token_ids: WholeInts = Field(default_factory=list)
     tokens_b64: Optional[str] = Field(
         default=None, pattern=B64_TOKENS_PATTERN,
         description="blendmatch extension (not LMCache's): the entry's token ids as standard base64 "
@@ -104,7 +115,7 @@ class EventEntryModel(BaseModel):
                     "the decoded length must be a multiple of 4 bytes. \"\" or null: no tokens. An entry "
                     "may not give both token_ids and tokens_b64 non-empty. Much cheaper to decode "
                     "from JSON than the same ids as a list.")
-    token_offset: int = Field(default=UNKNOWN_TOKEN_OFFSET, ge=UNKNOWN_TOKEN_OFFSET, le=INT64_MAX)
+    token_offset: WholeInt = Field(default=UNKNOWN_TOKEN_OFFSET, ge=UNKNOWN_TOKEN_OFFSET, le=INT64_MAX)
 
     @field_validator("tokens_b64")
     @classmethod
@@ -140,18 +151,18 @@ class EventBatchModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_BATCH_CROSS_FIELD_SCHEMA)
 
     instance_id: str = Field(min_length=1)
-    incarnation: int = Field(ge=0, le=INT64_MAX)
-    seq: int = Field(ge=1, le=INT64_MAX)
+    incarnation: WholeInt = Field(ge=0, le=INT64_MAX)
+    seq: WholeInt = Field(ge=1, le=INT64_MAX)
     event_type: EventType
     tier: Tier
     backend: str = ""
     shared: bool = False
     ts: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    capacity_bytes: int = Field(
+    capacity_bytes: WholeInt = Field(
         default=0, ge=0, le=INT64_MAX,
         description="accepted on every batch (LMCache's serializer always sends it); meaningful on "
                     "config batches only: the compartment's declared capacity (0: no limit declared)")
-    capacity_revision: int = Field(
+    capacity_revision: WholeInt = Field(
         default=0, ge=0, le=INT64_MAX,
         description="accepted on every batch; on config batches, which declaration this belongs to: "
                     "a newer (incarnation, capacity_revision) replaces the instance's declaration, an "

@@ -239,7 +239,7 @@ class BlendClient:
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
                  match_budget_s: float = DEFAULT_MATCH_BUDGET_S,
                  match_concurrency: int = DEFAULT_MATCH_CONCURRENCY, chunk_size: int | None = None,
-                 coalesce: bool = True, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
+                 coalesce: bool | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
         if match_concurrency < 1:
             raise ValueError(f"match_concurrency must be >= 1, got {match_concurrency}")
         _check_positive(timeout=timeout, request_timeout=request_timeout, match_budget_s=match_budget_s,
@@ -250,11 +250,15 @@ class BlendClient:
         self.request_timeout = float(request_timeout)
         self.match_concurrency = int(match_concurrency)
         #: The fleet's chunk size: shorter queries are answered ``[]`` without a round trip.
-        #: ``None``: learn it from the server's ``GET /directory/stats`` when the workers start,
-        #: and send every non-empty query until then (a wrong guess would lose matches: LMCache
-        #: calls ``maybe_create`` without a chunk size).
+        #: ``None``: learn it from the server's ``GET /directory/stats`` when the workers start
+        #: (over the client's own HTTP connection only: a ``request_fn`` sees LMCache's calls
+        #: and nothing else, so with one the size stays unknown), and send every non-empty
+        #: query until then (a wrong guess would lose matches: LMCache calls ``maybe_create``
+        #: without a chunk size); the server answers a short query ``[]``.
         self.chunk_size = None if chunk_size is None else int(chunk_size)
-        self.coalesce = bool(coalesce)
+        #: Queries that wait together travel as one batch request. Default: on over HTTP, off
+        #: with a ``request_fn`` (LMCache's hook sees only LMCache's one call per query).
+        self.coalesce = (request_fn is None) if coalesce is None else bool(coalesce)
         self.max_batch_tokens = int(max_batch_tokens)
         self._request_fn = request_fn
         self._http = None if request_fn is not None else httpx.Client(
@@ -357,17 +361,17 @@ class BlendClient:
                     self._pool = MatchPool(_ClientWire(self), workers=self.match_concurrency,
                                            budget_s=self.match_budget_s, chunk_size=self.chunk_size or 1,
                                            coalesce=self.coalesce, max_batch_tokens=self.max_batch_tokens)
-                    if self.chunk_size is None:
+                    if self.chunk_size is None and self._http is not None:
                         threading.Thread(target=self._learn_chunk_size, args=(self._pool,),
                                          name="blendmatch-chunk-size", daemon=True).start()
                 pool = self._pool
         return None if self._closed else pool
 
     def _learn_chunk_size(self, pool: MatchPool) -> None:
-        """Ask the server its chunk size once (``blend.chunk_size`` of ``/directory/stats``);
+        """Ask the server its chunk size once (``blendmatch.chunk_size`` of ``/directory/stats``);
         on any failure keep sending every non-empty query (correct, only less frugal)."""
         try:
-            size = self._call("GET", "/directory/stats", timeout=self.request_timeout)["blend"]["chunk_size"]
+            size = self._call("GET", "/directory/stats", timeout=self.request_timeout)["blendmatch"]["chunk_size"]
         except Exception as exc:
             logger.info("blend match client: the server's chunk size is unknown (%s: %s); every non-empty "
                         "query is sent", type(exc).__name__, exc)

@@ -48,6 +48,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blendmatch.gpu import EngineName
+from blendmatch.index.token_hasher import ALGORITHMS, DEFAULT_ALGORITHM, UnknownHashAlgorithm
 from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS
 
 __all__ = ["ServiceConfig", "LogLevel", "BODY_BYTES_PER_TOKEN", "BODY_SLACK_BYTES"]
@@ -96,6 +97,12 @@ class ServiceConfig(BaseModel):
         json_schema_extra={"lmcache": "--enable-blend-lookup, which is off by default there",
                            "off": "do not index content; blend lookups answer no matches",
                            "off_lmcache": "the coordinator's default"})
+    hash_algorithm: str = Field(default=DEFAULT_ALGORITHM,
+                                description="the fleet's token hash (LMCache's --hash-algorithm): "
+                                            + ", ".join(ALGORITHMS) + "; resolves the token form of "
+                                            "/directory/lookup to keys; must equal the MP servers'; vLLM's functions seed with "
+                                            "PYTHONHASHSEED as vLLM does",
+                                json_schema_extra={"lmcache": "--hash-algorithm"})
     engine: EngineName = Field(default="auto", description="probe engine: auto = the GPU if a trial launch "
                                                            "succeeds, else the CPU")
     # at most 2^31 - 1: the GPU engine's scans (CuPy) take lengths as a C int (issue 27)
@@ -264,6 +271,13 @@ class ServiceConfig(BaseModel):
     kv_events_legacy_replay: bool = Field(
         default=False, description="replay answers without the topic frame (vLLM before #45177)",
         json_schema_extra={"group": _KV_EVENTS})
+
+    @field_validator("hash_algorithm")
+    @classmethod
+    def _check_hash_algorithm(cls, name: str) -> str:
+        if name not in ALGORITHMS:
+            raise ValueError(str(UnknownHashAlgorithm(name)))
+        return name
 
     @field_validator("upstream_coordinator")
     @classmethod

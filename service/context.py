@@ -28,6 +28,7 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Callable, TypeVar
@@ -38,6 +39,7 @@ from fastapi import Depends, Request
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
+from blendmatch.index.token_hasher import TokenHasher, vllm_none_hash_seed
 from blendmatch.index.tokens import (TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count,
                                      decode_b64_many, decode_query_tokens, is_b64_source)
 from blendmatch.index.types import BlendMatch, BlendNamespace
@@ -125,6 +127,10 @@ class ServiceContext:
         self.config = config
         self.directory = directory if directory is not None else build_directory(config)
         self.metrics = ServiceMetrics(snapshot=self.snapshot)
+        #: The fleet's token hasher (``--hash-algorithm``; vLLM's functions seed NONE_HASH
+        #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
+        self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
+                                        none_hash_seed=vllm_none_hash_seed(os.environ))
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
             cost=query_tokens,
@@ -450,21 +456,34 @@ class ServiceContext:
         return snap
 
     def stats(self) -> dict[str, Any]:
-        """``GET /directory/stats``: directory counts, ``blend`` (index stats), ``engine``, ``batcher``."""
-        stats = dict(self.directory.stats())
-        # LMCache's blend fields are always there (zeros while blend lookup is off)
-        stats["blend"] = stats.pop("blend_index", None) or {
-            "num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0}
-        stats["registry"] = self.registry.counters()
+        """``GET /directory/stats``: LMCache's names at the top (and nothing else there), ours
+        under ``blendmatch``: the directory's own counts, ``blend`` (the index's full stats),
+        ``registry``, ``log`` (Kafka mode), ``engine``, ``batcher``, ``chunk_size``."""
+        ours = dict(self.directory.stats())
+        index_stats = ours.pop("blend_index", None) or {}
+        ours["blend"] = index_stats
+        ours["chunk_size"] = self.config.chunk_size
+        ours["registry"] = self.registry.counters()
         if self.source is not None:
-            stats["log"] = self.source.stats()
+            ours["log"] = self.source.stats()
         if self.kv_events is not None:
-            stats["kv_events"] = self.kv_events.stats()
-        stats["engine"] = self.engine_info()
-        stats["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
-                            "max_batch_tokens": self.config.max_batch_tokens,
-                            "max_batch_wait_ms": self.config.max_batch_wait_ms}
-        return stats
+            ours["kv_events"] = self.kv_events.stats()
+        ours["engine"] = self.engine_info()
+        ours["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
+                           "max_batch_tokens": self.config.max_batch_tokens,
+                           "max_batch_wait_ms": self.config.max_batch_wait_ms}
+        top = {name: ours.pop(name) for name in _LMCACHE_STATS if name in ours}
+        # LMCache's blend fields are always there (zeros while blend lookup is off)
+        top["blend"] = {name: index_stats.get(name, 0) for name in _LMCACHE_BLEND_STATS}
+        top["blendmatch"] = ours
+        return top
+
+
+#: LMCache 0.5.6's ``DirectoryStats`` names (``GET /directory/stats``'s top level) besides
+#: ``blend``, and its ``BlendIndexStats`` names (``blend``'s).
+_LMCACHE_STATS = ("num_keys", "num_placements", "l1_keys_by_instance", "l1_count", "l1_size_bytes", "l2_count",
+                  "l2_size_bytes")
+_LMCACHE_BLEND_STATS = ("num_contents", "num_chunks", "num_claims", "num_namespaces", "table_size")
 
 
 async def get_context(request: Request) -> ServiceContext:

@@ -129,8 +129,6 @@ LMCACHE_IGNORED_FLAGS: tuple[tuple[str, dict, str], ...] = (
     ("--eviction-check-interval", {"type": float}, "blendmatch runs no L2 eviction controller"),
     ("--eviction-ratio", {"type": float}, "blendmatch runs no L2 eviction controller"),
     ("--trigger-watermark", {"type": float}, "blendmatch runs no L2 eviction controller"),
-    ("--hash-algorithm", {}, "blendmatch has no token hasher (pins and the token form of /directory/lookup "
-                             "are not served here)"),
     ("--extra-config", {}, "blendmatch loads no out-of-tree controllers (run in front of an LMCache coordinator "
                            "with --upstream-coordinator to keep them)"),
     ("--metadata-path", {}, "blendmatch keeps no pins or quotas (--upstream-coordinator proxies them to an LMCache "

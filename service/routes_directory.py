@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query
 
 from blendmatch.index.key_directory import KeyDirectory, Placement
 from blendmatch.index.types import ObjectKey
 
+from blendmatch.index.token_hasher import TokenHasher
 from blendmatch.index.tokens import DEFAULT_MAX_REQUEST_TOKENS, TokenLimitExceeded, check_token_count
 
 from .context import Ctx
-from .errors import NotSupported, RequestRejected
+from .errors import RequestRejected
 from .routes_lookup import ERROR_RESPONSES
 from .schemas import DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, DirectoryStatsResponse
 
@@ -54,36 +55,74 @@ def _list(directory: KeyDirectory, tier: str | None, instance_id: str | None, ba
                      for kp, t in zip(page, tokens, strict=True)]}
 
 
+#: Most keys the token form may resolve to (chunks x world size): 1,000,000 tokens at world
+#: size 64 fit; a body asking for more (a huge ``world_size``) is a 400, not minutes of work.
+MAX_TOKEN_FORM_KEYS = 1 << 18
+#: LMCache's rules for the salt of a token-form request (its IPC key's): at most 128
+#: characters, none of ``@ / \\ NUL``.
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+_SALT_MAX_CHARS = 128
+
 _TOKEN_FORM_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"description": "more than 1,000,000 token ids"},
-    501: {"description": "token form without --upstream-coordinator (needs the fleet's token hasher)"},
-    502: {"description": "token form, proxied: the upstream coordinator is unreachable"},
-    504: {"description": "token form, proxied: the upstream coordinator did not answer in time"},
+    400: {"description": "token form: more than 1,000,000 token ids, a bad cache_salt or model_name (LMCache's "
+                         "key rules), a token id the hash cannot take, or more than 262,144 resolved keys"},
 }
+
+
+def _token_form_reason(body: DirectoryLookupRequest, hasher: TokenHasher) -> tuple[list[bytes], str | None]:
+    """The chunk hashes of the body's tokens, or why the body is a 400 (LMCache's checks,
+    in its order: the token cap, the salt, the hashing, then the key fields)."""
+    try:
+        check_token_count(len(body.token_ids), DEFAULT_MAX_REQUEST_TOKENS, "token_ids")
+    except TokenLimitExceeded as exc:
+        return [], str(exc)
+    bad = _SALT_FORBIDDEN & set(body.cache_salt)
+    if bad:
+        return [], f"cache_salt must not contain {sorted(bad)!r} (got {body.cache_salt!r})"
+    if len(body.cache_salt) > _SALT_MAX_CHARS:
+        return [], f"cache_salt exceeds max length {_SALT_MAX_CHARS} (got {len(body.cache_salt)})"
+    try:
+        hashes = hasher.chunk_hashes(body.token_ids)
+    except ValueError as exc:
+        return [], f"token_ids: {exc}"
+    if hashes and "@" in body.model_name:
+        return [], f"model_name must not contain '@' (got {body.model_name!r})"
+    if len(hashes) * body.world_size > MAX_TOKEN_FORM_KEYS:
+        return [], (f"token_ids resolve to {len(hashes)} chunks x world_size {body.world_size} keys, more than "
+                    f"{MAX_TOKEN_FORM_KEYS}")
+    return hashes, None
+
+
+def _resolve_tokens(directory: KeyDirectory, hasher: TokenHasher, body: DirectoryLookupRequest) -> dict[str, Any]:
+    """LMCache's token form: each full chunk's hash, fanned out to one key per rank of the
+    world size in object group 0 (its lookup fan-out), each followed by the stored keys that
+    differ from it only in object group, then looked up like the keys form. Raises
+    :class:`RequestRejected` (400) where LMCache answers 400."""
+    hashes, reason = _token_form_reason(body, hasher)
+    if reason is not None:
+        raise RequestRejected(reason)
+    if not hashes:
+        return {"chunks": 0, "results": []}
+    ws = body.world_size
+    # LMCache's ComputeKVRank(ws, rank, ws, rank), unchecked there (a world size over 255
+    # spills into the higher fields); a stored key's kv_rank never does
+    ranks = [(ws << 24) | (r << 16) | (ws << 8) | r for r in range(ws)]
+    keys = [ObjectKey(h, body.model_name, rank, 0, body.cache_salt) for h in hashes for rank in ranks]
+    out = _lookup(directory, directory.keys_across_object_groups(keys))
+    out["chunks"] = len(hashes)
+    return out
 
 
 @router.post("/directory/lookup", response_model=DirectoryLookupResponse,
              responses={**ERROR_RESPONSES, **_TOKEN_FORM_RESPONSES})
-async def lookup_keys(body: DirectoryLookupRequest, ctx: Ctx, request: Request) -> Any:
-    """Placements and token ids of each key, in request order (LMCache's keys form).
-
-    The tokens form is validated as LMCache validates it (more than 1,000,000 token ids:
-    400) and then proxied to the upstream coordinator when there is one
-    (``--upstream-coordinator``), else answered 501: resolving tokens to keys needs the
-    fleet's token hasher."""
-    if body.token_ids:
-        try:
-            check_token_count(len(body.token_ids), DEFAULT_MAX_REQUEST_TOKENS, "token_ids")
-        except TokenLimitExceeded as exc:
-            raise RequestRejected(str(exc)) from None
-        if ctx.upstream is not None:
-            proxied: Response = await ctx.upstream.proxy("POST", "/directory/lookup", b"", await request.body(),
-                                                         request.headers)
-            return proxied
-        raise NotSupported("the token_ids form of /directory/lookup needs the fleet's token hasher, which "
-                           "blendmatch does not have; send 'keys', use /directory/blend-lookup, or run with "
-                           "--upstream-coordinator")
+async def lookup_keys(body: DirectoryLookupRequest, ctx: Ctx) -> Any:
+    """Placements and token ids of each key, in request order: LMCache's keys form, or its
+    tokens form (``token_ids`` from position 0, with ``model_name``, ``world_size``,
+    ``cache_salt``), whose full chunks are hashed with the fleet's ``--hash-algorithm`` into
+    the keys the servers stored them under (a sequence shorter than a chunk resolves none)."""
     ctx.check_serving()
+    if body.token_ids:  # hashing a long sequence is work: off the event loop, like the reads
+        return await ctx.read(_resolve_tokens, ctx.directory, ctx.token_hasher, body)
     keys = [ObjectKey(bytes.fromhex(k.chunk_hash_hex), k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
             for k in body.keys]
     return await ctx.read(_lookup, ctx.directory, keys)

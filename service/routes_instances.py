@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from blendmatch.index.logsafe import log_safe
+from blendmatch.index.wire_models import WholeInt
 
 from .access import instance_filter
 from .context import Ctx
@@ -45,17 +46,18 @@ router = APIRouter(tags=["instances"])
 
 class RegisterRequest(BaseModel):
     """Body of ``POST /instances`` (LMCache's ``RegisterRequest``; unknown fields ignored).
-    Strict types (``false`` is not a port), as every body of this service."""
+    Strict types (``false`` and ``"80"`` are not ports), as every body of this service; an
+    integral float (``244.0``) is an integer, as in LMCache."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     instance_id: Annotated[str, StringConstraints(strip_whitespace=True, max_length=256)] = Field(
         default="", description="blank: the coordinator generates one and returns it")
     ip: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=256)]
-    http_port: int = Field(ge=1, le=65535)
+    http_port: WholeInt = Field(ge=1, le=65535)
     metadata: dict[str, str] = Field(default_factory=dict)
     p2p_advertised_url: Annotated[str, StringConstraints(strip_whitespace=True, max_length=2048)] = ""
-    mq_port: int = Field(default=0, ge=0, le=65535)
+    mq_port: WholeInt = Field(default=0, ge=0, le=65535)
 
 
 class RegisterResponse(BaseModel):

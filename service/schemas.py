@@ -7,8 +7,9 @@ ascending ``cur_st`` (at most one match per position and one per chunk hash: LMC
 per-position rule; matches may overlap, see
 ``blendmatch.service.client.resolve_overlaps``).
 
-Validation is strict (no coercion): ``"2"`` is not a world size, ``true`` is not a token id,
-``1.0`` is not an integer. Unknown fields are ignored (forward compatibility with newer
+Validation is strict (no coercion) but reads numbers as LMCache does: ``"2"`` is not a world
+size and ``true`` is not a token id, while ``2.0`` is the integer 2 (an integral float is an
+integer in JSON Schema and in LMCache's models; ``2.5`` is refused). Unknown fields are ignored (forward compatibility with newer
 clients). The models check shapes and types; the token *content* is decoded by
 :mod:`blendmatch.index.tokens` (``token_ids`` on the event loop, ``tokens_b64`` on the
 lookup thread for a whole batch at once), and a decoding failure is a 422 whose message
@@ -24,10 +25,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 
 from blendmatch.index.tokens import B64_TOKENS_PATTERN, MAX_TOKEN_ID
-from blendmatch.index.wire_models import ObjectKeyModel
+from blendmatch.index.wire_models import ObjectKeyModel, WholeInt
+from blendmatch.index.types import whole_numbers
 from blendmatch.index.tokens import TokenDecodeError, check_one_form
 from blendmatch.index.types import BlendNamespace
 
@@ -45,7 +47,6 @@ __all__ = [
     "DirectoryLookupRequest",
     "DirectoryLookupResponse",
     "DirectoryStatsResponse",
-    "EngineInfo",
     "MAX_LOOKUP_KEYS",
     "PlacementModel",
     "HealthResponse",
@@ -78,11 +79,11 @@ class BlendLookupRequest(BaseModel):
     # accepts); the decoder in index/tokens.py stays the check, on the lookup thread.
     tokens_b64: str | None = Field(default=None, description="base64 of little-endian uint32 token ids",
                                    json_schema_extra={"pattern": B64_TOKENS_PATTERN})
-    token_ids: list[StrictInt] | None = Field(default=None, description="token ids (0..2^32-1)",
+    token_ids: Annotated[list[StrictInt], BeforeValidator(whole_numbers)] | None = Field(default=None, description="token ids (0..2^32-1)",
                                               json_schema_extra={"items": {"type": "integer", "minimum": 0,
                                                                            "maximum": MAX_TOKEN_ID}})
     model_name: str = Field(min_length=1, description="model the KV belongs to (required)")
-    world_size: int = Field(default=1, ge=1, description="parallel world size of the requester")
+    world_size: WholeInt = Field(default=1, ge=1, description="parallel world size of the requester")
     cache_salt: str = Field(default="", description="per-tenant isolation salt")
 
     @model_validator(mode="after")
@@ -175,9 +176,9 @@ class DirectoryLookupRequest(BaseModel):
     ]})
 
     keys: Annotated[list[ObjectKeyModel], Field(default_factory=list, max_length=MAX_LOOKUP_KEYS)]
-    token_ids: list[StrictInt] = Field(default_factory=list)
+    token_ids: Annotated[list[StrictInt], BeforeValidator(whole_numbers)] = Field(default_factory=list)
     model_name: str = ""
-    world_size: int = Field(default=1, ge=1)
+    world_size: WholeInt = Field(default=1, ge=1)
     cache_salt: str = ""
 
     @model_validator(mode="after")
@@ -224,33 +225,26 @@ class DirectoryListResponse(BaseModel):
     next_offset: int | None = None
 
 
-class EngineInfo(BaseModel):
-    name: str
-    reason: str
-
-
 class DirectoryStatsResponse(BaseModel):
-    """``GET /directory/stats``: the directory's counts (as ``KeyDirectory.stats()`` reports
-    them), ``blend`` (the blend index's stats; empty when blend lookup is disabled),
-    ``engine`` (the probe engine in use and why) and ``batcher`` (micro-batcher totals)."""
+    """``GET /directory/stats``: LMCache 0.5.6's ``DirectoryStats`` at the top level (same
+    names and meaning, nothing else there: LMCache's tests assert what is absent), and ours
+    under ``blendmatch``: the directory's counts (``keys``, ``chunk_hashes``, ``placements``,
+    ``token_bindings``, ``l1_keys_per_instance``, ``instances`` (each emitter's
+    ``incarnation`` and ``last_seq``), ``events``, ``capacity``, ``blend_lookup_enabled``),
+    ``blend`` (the blend index's full stats; empty when blend lookup is disabled),
+    ``chunk_size``, ``registry``, ``log`` (Kafka mode), ``engine`` (the probe engine in use
+    and why) and ``batcher`` (micro-batcher totals)."""
 
-    model_config = ConfigDict(extra="allow")
-
-    # LMCache 0.5.6's DirectoryStats fields, same names and meaning
     num_keys: int
     num_placements: int
     l1_keys_by_instance: dict[str, int]
+    blend: dict[str, int] = Field(description="LMCache's BlendIndexStats: num_contents, num_chunks, num_claims, "
+                                              "num_namespaces, table_size (zeros while blend lookup is off)")
     l1_count: int
     l1_size_bytes: int
     l2_count: int
     l2_size_bytes: int
-    blend: dict[str, Any] = Field(description="num_contents, num_chunks, num_claims, num_namespaces, table_size "
-                                              "(LMCache's), plus ours")
-    # ours
-    keys: int
-    placements: int
-    engine: EngineInfo
-    batcher: dict[str, Any]
+    blendmatch: dict[str, Any] = Field(description="ours (see docs/service.md)")
 
 
 class HealthResponse(BaseModel):

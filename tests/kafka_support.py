@@ -153,7 +153,7 @@ class Replica:
         return self.log_path.read_text()[-3000:] if self.log_path and self.log_path.exists() else ""
 
     def log_stats(self) -> dict[str, Any]:
-        return self.client.get("/directory/stats").json()["log"]
+        return self.client.get("/directory/stats").json()["blendmatch"]["log"]
 
     def wait_position(self, want: dict[str, int], timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout

@@ -320,10 +320,57 @@ def kafka(target: str) -> None:
     print(json.dumps({"sink_calls": sink.calls}))
 
 
+# ----------------------------------------------------------------------------- hashes mode
+def hashes(spec_path: str) -> None:
+    """``SPEC`` (JSON: ``chunk_size``, ``algorithms``, ``sequences``): LMCache's own
+    ``TokenHasher`` (vLLM's hash functions loaded the way it loads them, from whatever
+    ``vllm`` is on the path) hashes every sequence with every algorithm; prints
+    ``{algorithm: {"none_hash": hex, "chunks": [[hex, ...] per sequence]}}``."""
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = {}
+    for algorithm in spec["algorithms"]:
+        hasher = TokenHasher(chunk_size=spec["chunk_size"], hash_algorithm=algorithm)
+        out[algorithm] = {"none_hash": TokenHasher.hash_to_bytes(hasher.none_hash).hex(),
+                          "chunks": [[h.hex() for h in hasher.compute_chunk_hashes(seq)] for seq in spec["sequences"]]}
+    print(json.dumps(out))
+
+
+# ----------------------------------------------------------------------------- coordinator mode
+def coordinator(spec_path: str) -> None:
+    """``SPEC`` (JSON: ``config``, LMCache's ``MPCoordinatorConfig`` fields, and ``requests``,
+    ``[method, path, json_body_or_raw_string]``): LMCache's own coordinator app (its
+    ``create_app``) answers each request in order; prints ``[[status, body], ...]`` (the
+    body parsed as JSON when it is JSON)."""
+    from fastapi.testclient import TestClient
+
+    from lmcache.v1.mp_coordinator.app import create_app
+    from lmcache.v1.mp_coordinator.config import MPCoordinatorConfig
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    config = MPCoordinatorConfig(**{"health_check_interval": 0.0, "eviction_check_interval": 0.0, **spec["config"]})
+    out = []
+    with TestClient(create_app(config), raise_server_exceptions=False) as client:
+        for method, path, body in spec["requests"]:
+            if isinstance(body, str):
+                resp = client.request(method, path, content=body.encode(), headers={"content-type": "application/json"})
+            else:
+                resp = client.request(method, path, json=body)
+            try:
+                parsed = resp.json()
+            except ValueError:
+                parsed = resp.text
+            out.append([resp.status_code, parsed])
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     site, mode, arg = sys.argv[1:4]
     install_stand_ins(site)
     import logging
 
     logging.disable(logging.INFO)  # LMCache logs every registration at INFO
-    {"capture": capture, "live": live, "kafka": kafka}[mode](arg)
+    {"capture": capture, "live": live, "kafka": kafka, "hashes": hashes, "coordinator": coordinator}[mode](arg)

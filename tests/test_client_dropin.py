@@ -341,7 +341,7 @@ def test_request_fn_hook_single_batch_and_failure(caplog):
             return matches_of(payload["model_name"])
         return {"results": [matches_of(q["model_name"]) for q in payload["queries"]]}
 
-    client = BlendCoordinatorClient(request_fn=request_fn, match_concurrency=1, chunk_size=C)
+    client = BlendCoordinatorClient(request_fn=request_fn, match_concurrency=1, chunk_size=C, coalesce=True)
     try:
         client.submit_match(0, LONG, LMCacheNamespace("m0", "s", 2))
         assert eventually(lambda: calls)  # the one worker is busy with query 0 ...
@@ -383,17 +383,23 @@ def test_the_chunk_size_is_learned_from_the_server_when_not_given(app_url, rows)
         client.submit_match("short", rows[0][:-1], MODEL)
         assert client.poll_match("short") == [] and client.match_stats()["requests"] == 0
 
-    def no_stats(method, path, payload):
-        if method == "GET":
-            raise RuntimeError("an LMCache coordinator without blend stats")
+    calls = []
+
+    def lmcache_calls_only(method, path, payload):
+        calls.append((method, path))
+        if (method, path) != ("POST", "/directory/blend-lookup"):
+            raise AssertionError(f"unexpected {method} {path}")  # as LMCache's own test hook does
         return matches_of("m")
 
-    client = BlendClient(request_fn=no_stats)
+    client = BlendClient(request_fn=lmcache_calls_only)
     try:
-        client.submit_match("tiny", [1, 2, 3], "m")  # unknown chunk size: sent, never guessed short
-        assert client.wait_match("tiny") == [BlendMatch(b"m", 0, 0)] and client.chunk_size is None
+        for i in range(8):  # unknown chunk size: sent, never guessed short; never coalesced
+            client.submit_match(f"tiny{i}", [1, 2, 3], "m")
+        assert [client.wait_match(f"tiny{i}") for i in range(8)] == [[BlendMatch(b"m", 0, 0)]] * 8
         client.submit_match("empty", [], "m")
         assert client.poll_match("empty") == []
+        assert client.chunk_size is None and not client.coalesce
+        assert calls == [("POST", "/directory/blend-lookup")] * 8  # never GET /directory/stats, never /batch
     finally:
         client.close()
 

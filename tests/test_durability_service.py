@@ -246,7 +246,7 @@ async def test_corrupt_checkpoint_is_set_aside_and_server_starts_cold(tmp_path):
         assert len(aside) == 1
         metrics = (await client.get("/metrics")).text
         assert 'blendmatch_checkpoint_restore_failures_total{reason="corrupt"} 1.0' in metrics
-        assert (await client.get("/directory/stats")).json()["keys"] == 0
+        assert (await client.get("/directory/stats")).json()["num_keys"] == 0
     assert path.exists()  # the clean stop wrote a fresh one
 
 

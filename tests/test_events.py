@@ -315,7 +315,9 @@ BAD_BATCHES = [
     (dict(incarnation=_DROP), "incarnation"),
     (dict(incarnation=True), "incarnation"),
     (dict(seq=0), "seq"),
-    (dict(seq=1.0), "seq"),
+    (dict(seq=1.5), "seq"),
+    (dict(seq=True), "seq"),
+    (dict(seq="1"), "seq"),
     (dict(event_type="evict"), "event_type"),
     (dict(event_type="STORE"), "event_type"),
     (dict(tier="all"), "tier"),
@@ -331,7 +333,8 @@ BAD_BATCHES = [
     (dict(ts=float("inf")), "ts"),
     (dict(capacity_bytes=-1), "capacity_bytes"),
     (dict(capacity_revision=-1), "capacity_revision"),
-    (dict(capacity_bytes=1.0), "capacity_bytes"),
+    (dict(capacity_bytes=1.5), "capacity_bytes"),
+    (dict(capacity_bytes=-1.0), "capacity_bytes"),
     (dict(event_type="config", capacity_bytes=-1, entries=[]), "capacity_bytes"),
     (dict(event_type="config"), "entries"),
     (dict(entries={}), "entries"),
@@ -358,7 +361,8 @@ BAD_ENTRIES = [
     (dict(key__kv_rank=-1), "key.kv_rank"),
     (dict(key__kv_rank=2**32), "key.kv_rank"),
     (dict(key__kv_rank=True), "key.kv_rank"),
-    (dict(key__kv_rank=1.0), "key.kv_rank"),
+    (dict(key__kv_rank=1.5), "key.kv_rank"),
+    (dict(key__kv_rank=float("inf")), "key.kv_rank"),
     (dict(key__object_group_id=-1), "key.object_group_id"),
     (dict(key__object_group_id="0"), "key.object_group_id"),
     (dict(key__cache_salt="a@b"), "key.cache_salt"),
@@ -424,12 +428,29 @@ def test_parse_event_batch_prefixes_its_location():
 
 def test_validation_does_not_depend_on_what_was_seen_before():
     """The fast path caches validated key scopes; a bad value must still be caught after a
-    good one with an equal hash (True == 1, 1.0 == 1)."""
+    good one with an equal hash (True == 1); 1.0 is the integer 1 (as in LMCache)."""
     good = _entry(key__kv_rank=1)
     parse_event_request({"batches": [_batch([good])]})
-    for bad in (True, 1.0):
-        with pytest.raises(EventValidationError, match="kv_rank"):
-            parse_event_request({"batches": [_batch([good, _entry(key__kv_rank=bad)])]})
+    with pytest.raises(EventValidationError, match="kv_rank"):
+        parse_event_request({"batches": [_batch([good, _entry(key__kv_rank=True)])]})
+    req = parse_event_request({"batches": [_batch([good, _entry(key__kv_rank=1.0)])]})
+    assert [type(scope.kv_rank) for scope in req.batches[0].entries.scopes] == [int, int]
+
+
+def test_integral_floats_are_integers_as_in_lmcache():
+    """LMCache's pydantic models read ``870926.0`` as 870926; so does the parser (and the
+    schema models). Fractional floats, strings and booleans stay refused (BAD_BATCHES)."""
+    entry = _entry(key__kv_rank=float(pack_kv_rank(2, 1)), key__object_group_id=1.0, size_bytes=10.0,
+                   token_offset=-1.0, token_ids=[1.0, 2, 3e0])
+    raw = {"batches": [_batch([entry], seq=870926.0, incarnation=2.0, capacity_bytes=0.0, capacity_revision=-0.0)]}
+    batch = parse_event_request(raw).batches[0]
+    assert (batch.seq, batch.incarnation, batch.capacity_bytes, batch.capacity_revision) == (870926, 2, 0, 0)
+    assert all(type(v) is int for v in (batch.seq, batch.incarnation, batch.capacity_bytes, batch.capacity_revision))
+    entries = batch.entries
+    (scope,), (size,), (offset,) = entries.scopes, entries.sizes, entries.offsets
+    assert (scope.kv_rank, scope.object_group_id, size, offset) == (pack_kv_rank(2, 1), 1, 10, -1)
+    assert batch.entries.tokens.row(0).tolist() == [1, 2, 3]
+    EventRequestModel.model_validate(raw)  # the schema models agree
 
 
 # ----------------------------------------------------------------------------- schema agreement

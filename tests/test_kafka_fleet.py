@@ -94,11 +94,11 @@ def _answers(r: Replica, queries: list[np.ndarray]) -> list[Any]:
 def _state(r: Replica) -> dict[str, Any]:
     s = r.client.get("/directory/stats").json()
     for volatile in ("batcher", "engine", "registry", "log"):
-        s.pop(volatile, None)
+        s["blendmatch"].pop(volatile, None)
     # the slot table's history counters (rebuilds, mutations) differ after a restore; the
     # table itself, the contents and every answer do not
     for history in ("table_generation", "table_version"):
-        s["blend"].pop(history, None)
+        s["blendmatch"]["blend"].pop(history, None)
     return s
 
 
@@ -292,8 +292,8 @@ def test_lmcache_kafka_sink_feeds_a_replica(kafka_bootstrap, tmp_path, lmcache_s
         # the subscriber's flushes: config (2 batches), store, access, delete, multi_l2 (3), store again
         _wait(lambda: r.log_stats()["records_applied"] >= 9, 20, "LMCache's records to be applied")
         stats = r.client.get("/directory/stats").json()
-        assert stats["log"]["records_skipped"] == 0
-        assert stats["events"]["applied"] == 9 and stats["events"]["duplicates"] == 0
+        assert stats["blendmatch"]["log"]["records_skipped"] == 0
+        assert stats["blendmatch"]["events"]["applied"] == 9 and stats["blendmatch"]["events"]["duplicates"] == 0
         lookup = r.client.post("/directory/blend-lookup", json={"model_name": "Qwen/Qwen3-8B",
                                                                  "token_ids": [7, 101, 102, 103, 104]})
         assert [m["cur_st"] for m in lookup.json()["matches"]] == [1], lookup.text
@@ -353,7 +353,7 @@ def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_
 
         def both_answer() -> bool:
             with httpx.Client(base_url=url, timeout=30) as c:  # a new connection: the kernel picks a worker
-                rid = c.get("/directory/stats").json()["log"]["replica_id"]
+                rid = c.get("/directory/stats").json()["blendmatch"]["log"]["replica_id"]
                 body = {"queries": [{"token_ids": q.tolist(), "model_name": MODEL} for q in queries]}
                 got = c.post("/directory/blend-lookup/batch", json=body)
                 if got.status_code == 503:  # this worker has not caught up yet: it says so
@@ -366,17 +366,17 @@ def test_workers_share_one_port_and_each_follows_the_topic(kafka_bootstrap, tmp_
         _wait(both_answer, 60, f"both workers to answer (seen {seen})")
         for i in range(2):  # each worker alone on its own port: per-worker scrapes and probes
             st = httpx.get(f"http://127.0.0.1:{own + i}/directory/stats", timeout=10).json()
-            assert st["log"]["replica_id"] == f"node-w{i}"
+            assert st["blendmatch"]["log"]["replica_id"] == f"node-w{i}"
             assert httpx.get(f"http://127.0.0.1:{own + i}/readyz", timeout=10).status_code == 200
 
         big = store("i-big", 1, np.full((4000, C), 4_000_000_000, dtype=np.uint32), first_hash=900_000,
                     incarnation=100)
         with httpx.Client(base_url=url, timeout=30) as c:
-            before = c.get("/directory/stats").json()["log"]["position"]
+            before = c.get("/directory/stats").json()["blendmatch"]["log"]["position"]
             got = c.post("/events", json={"batches": [batches[0], big]})
             assert got.status_code == 413 and "batch 1" in got.json()["detail"], got.text
             time.sleep(0.5)
-            assert c.get("/directory/stats").json()["log"]["position"] == before  # nothing appended
+            assert c.get("/directory/stats").json()["blendmatch"]["log"]["position"] == before  # nothing appended
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -123,8 +123,9 @@ def test_lmcache_producer_registrar_and_blend_client_against_live_blendmatch(lmc
         samples = metric_samples(httpx.get(f"{live.url}/metrics").text)
     # every event request LMCache's sink sent was accepted (it raises on any non-2xx)
     assert result["sink_calls"] == ["ok"] * 6
-    assert stats["events"]["applied"] == 2 + 1 + 1 + 1 + 3 + 1  # batches: config x2, store, access, delete, L2 x3, store
-    assert stats["events"]["duplicates"] == stats["events"]["stale"] == 0
+    events = stats["blendmatch"]["events"]
+    assert events["applied"] == 2 + 1 + 1 + 1 + 3 + 1  # batches: config x2, store, access, delete, L2 x3, store
+    assert events["duplicates"] == events["stale"] == 0
     assert not any(k.startswith("blendmatch_http_rejected_total") and v for k, v in samples.items())
     # LMCache's capacity declaration (config batches) joined to used bytes, before deregistration
     usage = result["usage"]
@@ -134,7 +135,7 @@ def test_lmcache_producer_registrar_and_blend_client_against_live_blendmatch(lmc
                                                  "usage_ratio": 2 * 2097152 / (8 * 1024**3)}]
     assert usage["shared_modules"] == [{"tier": "l2", "backend": "fs", "shared": True, "used_bytes": 2097152 + 1048576,
                                         "capacity_bytes": 0, "usage_ratio": None}]
-    assert stats["capacity"] == []  # forgotten with the deregistration, as in LMCache
+    assert stats["blendmatch"]["capacity"] == []  # forgotten with the deregistration, as in LMCache
     # registrar: a generated id, heartbeats, re-registration after a 404, deregistration on cancel
     reg = result["registrar"]
     assert reg["generated_id"].startswith("mp-")

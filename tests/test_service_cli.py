@@ -93,7 +93,7 @@ def test_every_lmcache_coordinator_flag_is_accepted(monkeypatch):
     meaningful = {"--host", "--port", "--chunk-size", "--blend-probe-stride", "--enable-blend-lookup",
                   "--health-check-interval", "--instance-timeout", "--timeout-keep-alive",
                   "--checkpoint-path", "--checkpoint-interval", "--event-transport", "--kafka-bootstrap-servers",
-                  "--kafka-topic", "--kafka-group-id"}
+                  "--kafka-topic", "--kafka-group-id", "--hash-algorithm"}
     assert sorted(w.split()[0] for w in warnings) == sorted(set(flags) - meaningful)
     assert all("accepted for LMCache compatibility and ignored" in w for w in warnings)
     assert cli.ignored_flag_warnings(parser.parse_args([]), parser) == []

@@ -83,9 +83,9 @@ async def test_async_client_against_the_app_in_process():
             assert await client.lookup(q, BlendNamespace(MODEL, "other", 1)) == []
             batch = await client.lookup_batch([(q, BlendNamespace(MODEL)), (rows[1], BlendNamespace(MODEL))])
             assert batch == [got, [BlendMatch(hash_of(1), C, 0)]]
-            assert (await client.stats())["keys"] == 3
+            assert (await client.stats())["num_keys"] == 3
             await client.fence_instance("i1")
-            assert (await client.stats())["keys"] == 0
+            assert (await client.stats())["num_keys"] == 0
             with pytest.raises(BlendHTTPError) as ei:
                 await client.lookup([1, 2], "")
             assert ei.value.status_code == 422 and "model_name" in ei.value.detail

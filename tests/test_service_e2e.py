@@ -40,7 +40,7 @@ def test_blend_client_over_a_real_socket():
             client.lookup(q, MODEL, world_size=0)
         assert ei.value.status_code == 422
         stats = client.stats()
-        assert stats["engine"]["name"] == "cpu" and stats["batcher"]["queries"] >= 52
+        assert stats["blendmatch"]["engine"]["name"] == "cpu" and stats["blendmatch"]["batcher"]["queries"] >= 52
 
 
 @pytest.mark.slow

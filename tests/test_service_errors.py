@@ -64,7 +64,12 @@ LOOKUP_CASES = [
      422, "world_size"),
     ("lookup-too-many-tokens", "/directory/lookup", {"token_ids": [1] * 1_000_001, "model_name": MODEL},
      400, "over the limit of 1000000"),
-    ("lookup-tokens-form", "/directory/lookup", {"token_ids": [1, 2], "model_name": MODEL}, 501, "token hasher"),
+    ("lookup-tokens-bad-salt", "/directory/lookup", {"token_ids": [1, 2], "model_name": MODEL, "cache_salt": "a/b"},
+     400, "cache_salt must not contain"),
+    ("lookup-tokens-model-at", "/directory/lookup", {"token_ids": list(range(256)), "model_name": "a@b"},
+     400, "model_name must not contain '@'"),
+    ("lookup-tokens-huge-world", "/directory/lookup", {"token_ids": list(range(256)), "model_name": MODEL,
+                                                       "world_size": 1 << 19}, 400, "keys, more than 262144"),
     ("lookup-bad-hex", "/directory/lookup",
      {"keys": [{"chunk_hash_hex": "zz", "model_name": MODEL, "kv_rank": 1}]}, 422, "chunk_hash_hex"),
     ("events-malformed", "/events", b'{"batches": [', 422, "JSON decode error"),
@@ -115,8 +120,8 @@ async def test_invalid_event_batch_rejects_the_whole_request():
         assert r.status_code == 422
         assert r.json()["detail"].startswith("body.batches.1.entries.0.key.kv_rank: must be in")
         stats = (await client.get("/directory/stats")).json()
-        assert stats["keys"] == 0 and stats["blend"]["num_chunks"] == 0  # nothing of it applied
-        assert stats.get("instances", {}) == {}
+        assert stats["num_keys"] == 0 and stats["blend"]["num_chunks"] == 0  # nothing of it applied
+        assert stats["blendmatch"]["instances"] == {}
         # the same good batch alone is then applied as new (the gate never saw it)
         assert (await client.post("/events", json=events(good))).json()["applied"] == 1
 

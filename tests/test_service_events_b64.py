@@ -57,4 +57,4 @@ async def test_bad_tokens_b64_is_a_422_naming_the_field_and_nothing_is_applied()
         r = await client.post("/events", json=events(both))
         assert r.status_code == 422
         assert r.json()["detail"] == "body.batches.0.entries.0.tokens_b64: give token_ids or tokens_b64, not both"
-        assert (await client.get("/directory/stats")).json()["keys"] == 0
+        assert (await client.get("/directory/stats")).json()["num_keys"] == 0

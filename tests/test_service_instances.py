@@ -83,8 +83,8 @@ async def test_deregistration_fences_l1_drops_cursor_and_capacity():
         assert [i["instance_id"] for i in fleet["instances"]] == ["i1"] and fleet["shared_modules"] == []
         assert (await client.delete("/instances/i1")).status_code == 204
         stats = (await client.get("/directory/stats")).json()
-        assert stats["l1_count"] == 0 and stats["l2_count"] == 1 and stats["instances"] == {}
-        assert stats["capacity"] == []
+        assert stats["l1_count"] == 0 and stats["l2_count"] == 1 and stats["blendmatch"]["instances"] == {}
+        assert stats["blendmatch"]["capacity"] == []
         # only the L2 chunk is still found
         r = await client.post("/directory/blend-lookup", json={"tokens_b64": b64(rows.ravel()), "model_name": MODEL})
         assert [m["cur_st"] for m in r.json()["matches"]] == [C]
@@ -108,8 +108,8 @@ async def test_reaper_expires_silent_instances_and_fences_their_l1():
             assert (await client.put("/instances/chatty/heartbeat")).status_code == 200
         assert [i["instance_id"] for i in (await client.get("/instances")).json()["instances"]] == ["chatty"]
         stats = (await client.get("/directory/stats")).json()
-        assert stats["num_keys"] == 0 and "quiet" not in stats["instances"]
-        assert stats["registry"]["expirations"] == 1
+        assert stats["num_keys"] == 0 and "quiet" not in stats["blendmatch"]["instances"]
+        assert stats["blendmatch"]["registry"]["expirations"] == 1
         samples = metric_samples((await client.get("/metrics")).text)
         assert samples['blendmatch_instance_events_total{event="expired"}'] == 1
         assert ctx._reaper is not None
@@ -177,6 +177,7 @@ async def test_directory_stats_has_lmcache_names():
         for name in ("num_keys", "num_placements", "l1_keys_by_instance", "l1_count", "l1_size_bytes", "l2_count",
                      "l2_size_bytes"):
             assert name in stats
-        assert set(stats["blend"]) >= {"num_contents", "num_chunks", "num_claims", "num_namespaces", "table_size"}
+        assert set(stats["blend"]) == {"num_contents", "num_chunks", "num_claims", "num_namespaces", "table_size"}
+        assert "instances" not in stats and set(stats["blendmatch"]["instances"]) == {"i1"}
         assert (stats["num_keys"], stats["num_placements"], stats["l1_count"], stats["l1_size_bytes"]) == (2, 2, 2, 2048)
         assert stats["l1_keys_by_instance"] == {"i1": 2}

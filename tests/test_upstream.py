@@ -147,22 +147,15 @@ async def test_unknown_endpoints_are_proxied(stub):
         assert all("{path}" not in p for p in app.openapi()["paths"])
 
 
-async def test_token_form_of_directory_lookup_is_proxied(stub):
-    body = {"token_ids": [1, 2, 3], "model_name": MODEL}
+async def test_both_forms_of_directory_lookup_are_answered_here(stub):
+    body = {"token_ids": list(range(300)), "model_name": MODEL}
     async with served(config(upstream_coordinator=stub.url)) as (client, _):
-        r = await client.post("/directory/lookup", json=body)
-        assert r.status_code == 200 and r.json()["from"] == "upstream"
-        assert json.loads(stub.of("POST", "/directory/lookup")[0]["body"]) == body
-        # LMCache's validation still runs here first
-        r = await client.post("/directory/lookup", json={"token_ids": [1], "keys": [{"chunk_hash_hex": "ab",
-                                                         "model_name": MODEL, "kv_rank": 0}]})
-        assert r.status_code == 422 and len(stub.of("POST", "/directory/lookup")) == 1
-        # the keys form is answered here
+        r = await client.post("/directory/lookup", json=body)  # the token hasher is ours now
+        assert r.status_code == 200 and r.json()["chunks"] == 300 // 16 and "from" not in r.json()
         r = await client.post("/directory/lookup", json={"keys": [{"chunk_hash_hex": "ab", "model_name": MODEL,
                                                                    "kv_rank": 0}]})
-        assert r.status_code == 200 and r.json()["chunks"] == 1 and len(stub.of("POST", "/directory/lookup")) == 1
-    async with served() as (client, _):
-        assert (await client.post("/directory/lookup", json=body)).status_code == 501
+        assert r.status_code == 200 and r.json()["chunks"] == 1
+        assert stub.of("POST", "/directory/lookup") == []
 
 
 async def test_events_and_registry_calls_are_applied_here_and_forwarded_in_order(stub):

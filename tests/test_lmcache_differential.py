@@ -1,0 +1,281 @@
+"""blendmatch against LMCache 0.5.6's real coordinator app (``create_app`` from its wheel, in a
+subprocess, ``tests/lmcache_driver.py coordinator``): the same requests to both, compared.
+
+1. **Numbers.** One corpus of bodies, every integer field of every endpoint an MP server or
+   a tool sends, each given as an integer, an integral float (``870926.0``, ``1e3``), a
+   fractional float, ``null``, and out of range: accept (2xx) / reject (4xx) must agree body
+   for body, on the fast paths (a real uvicorn socket, so ``service/fastpath.py`` answers
+   what it can) as on the routes. The deliberate exceptions (docs/lmcache.md) are checked
+   as exceptions: a string or a boolean where an integer goes is accepted by LMCache's lax
+   pydantic (``"5"``, ``true``) and refused here, as JSON Schema (our OpenAPI contract) says.
+2. **Token-form lookups.** Both fed the same events (keys from LMCache's own token hasher,
+   several object groups and world sizes), then the same ``POST /directory/lookup`` token
+   bodies (full sequences, short ones, bad names and salts): same status, same resolved keys,
+   same placements and token ids.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from blendmatch.index.token_hasher import TokenHasher
+from blendmatch.service.config import ServiceConfig
+from test_lmcache_compat import DRIVER, ROOT, LiveServer, lmcache_site  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.compat
+
+CHUNK = 8
+
+
+def _lmcache_answers(site: Path, config: dict, requests: list, tmp_path: Path) -> list:
+    spec = tmp_path / "requests.json"
+    spec.write_text(json.dumps({"config": config, "requests": requests}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
+    got = subprocess.run([sys.executable, str(DRIVER), str(site), "coordinator", str(spec)], capture_output=True,
+                         text=True, timeout=600, env=env, cwd=str(ROOT))
+    assert got.returncode == 0, got.stderr[-3000:]
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def _our_answers(requests: list, **config: Any) -> list:
+    cfg = ServiceConfig(host="127.0.0.1", engine="cpu", health_check_interval=0, **config)
+    out = []
+    with LiveServer(cfg) as live, httpx.Client(base_url=live.url, timeout=60) as client:
+        for method, path, body in requests:
+            if isinstance(body, str):
+                r = client.request(method, path, content=body.encode(), headers={"content-type": "application/json"})
+            else:
+                r = client.request(method, path, json=body)
+            try:
+                parsed = r.json()
+            except ValueError:
+                parsed = r.text
+            out.append([r.status_code, parsed])
+    return out
+
+
+# ----------------------------------------------------------------------------- the numbers corpus
+def _kv_rank(ws: int, rank: int = 0) -> int:
+    return (ws << 24) | (rank << 16) | (ws << 8) | rank
+
+
+def _event_body(seq: int = 1, **patch: Any) -> dict:
+    entry = {"key": {"chunk_hash_hex": "aa", "model_name": "m", "kv_rank": _kv_rank(1), "object_group_id": 0,
+                     "cache_salt": ""}, "size_bytes": 64, "token_ids": [1, 2, 3], "token_offset": 0}
+    batch = {"instance_id": "node-a", "incarnation": 1, "seq": seq, "event_type": "store", "tier": "l1",
+             "backend": "dram", "entries": [entry], "shared": False, "ts": 0.0, "capacity_bytes": 0,
+             "capacity_revision": 0}
+    body = {"batches": [batch]}
+    for path, value in patch.items():
+        _set(body, path, value)
+    return body
+
+
+def _set(body: dict, path: str, value: Any) -> None:
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+    node: Any = body
+    for p in parents:
+        node = node[p]
+    node[last] = value
+
+
+#: (endpoint, field path, a valid integer value, the smallest valid value or None)
+FIELDS = [
+    ("events", "batches.0.incarnation", 870926, 0),
+    ("events", "batches.0.seq", 870926, 1),
+    ("events", "batches.0.capacity_bytes", 4096, 0),
+    ("events", "batches.0.capacity_revision", 3, 0),
+    ("events", "batches.0.entries.0.size_bytes", 64, 0),
+    ("events", "batches.0.entries.0.token_offset", 256, -1),
+    ("events", "batches.0.entries.0.token_ids.0", 7, None),
+    ("events", "batches.0.entries.0.key.kv_rank", _kv_rank(2), None),
+    ("events", "batches.0.entries.0.key.object_group_id", 1, 0),
+    ("instances", "http_port", 244, 1),
+    ("instances", "mq_port", 5555, 0),
+    ("lookup-keys", "keys.0.kv_rank", _kv_rank(2), None),
+    ("lookup-keys", "keys.0.object_group_id", 2, 0),
+    ("lookup-tokens", "world_size", 2, 1),
+    ("lookup-tokens", "token_ids.0", 7, None),
+    ("blend-lookup", "world_size", 2, 1),
+]
+
+
+def _base(endpoint: str) -> tuple[str, dict]:
+    if endpoint == "events":
+        return "/events", _event_body()
+    if endpoint == "instances":
+        return "/instances", {"instance_id": "mp-n", "ip": "10.0.0.1", "http_port": 8000, "mq_port": 0}
+    if endpoint == "lookup-keys":
+        return "/directory/lookup", {"keys": [{"chunk_hash_hex": "aa", "model_name": "m", "kv_rank": _kv_rank(1),
+                                               "object_group_id": 0, "cache_salt": ""}]}
+    if endpoint == "lookup-tokens":
+        return "/directory/lookup", {"token_ids": list(range(1, 2 * CHUNK + 3)), "model_name": "m", "world_size": 1,
+                                     "cache_salt": ""}
+    return "/directory/blend-lookup", {"tokens_b64": "AQAAAAIAAAA=", "model_name": "m", "world_size": 1,
+                                       "cache_salt": ""}
+
+
+def _variants(value: int, lowest: int | None) -> list[tuple[str, Any, bool]]:
+    """``(name, JSON text of the value, a deliberate exception)``: the value in every form."""
+    out = [("int", str(value), False), ("integral-float", f"{value}.0", False), ("exponent", f"{value}e0", False),
+           ("fractional", f"{value}.5", False), ("null", "null", False),
+           ("string", json.dumps(str(value)), True)]
+    if value == 1 or lowest == 1:
+        out.append(("true", "true", True))
+    if lowest is not None:
+        out += [("lowest-float", f"{lowest}.0", False), ("below-float", f"{lowest - 1}.0", False),
+                ("below-fractional", f"{lowest}.25" if lowest >= 0 else f"{lowest - 1}.5", False)]
+        if lowest == 0:
+            out.append(("negative-zero", "-0.0", False))
+    return out
+
+
+def _corpus() -> list[tuple[str, str, str, str, bool]]:
+    """``(case id, method, path, raw JSON body, deliberate exception)``."""
+    cases = []
+    for endpoint, path_in_body, value, lowest in FIELDS:
+        url, base = _base(endpoint)
+        marker = "__VALUE__"
+        body = copy.deepcopy(base)
+        _set(body, path_in_body, marker)
+        text = json.dumps(body)
+        for name, literal, exception in _variants(value, lowest):
+            cases.append((f"{endpoint}:{path_in_body}:{name}", "POST", url, text.replace(f'"{marker}"', literal),
+                          exception))
+    # query parameters of GET /directory/keys (strings on the wire, read as integers by both)
+    for name, query in (("int", "offset=1&limit=2"), ("integral-float", "offset=1.0&limit=2.0"),
+                        ("fractional", "offset=1.5"), ("negative", "offset=-1"), ("limit-0", "limit=0"),
+                        ("word", "limit=two")):
+        cases.append((f"keys:query:{name}", "GET", f"/directory/keys?{query}", "", False))
+    return cases
+
+
+def test_numbers_are_accepted_and_refused_as_lmcache_does(lmcache_site, tmp_path):
+    cases = _corpus()
+    requests = [[method, path, body if method == "POST" else None] for _, method, path, body, _ in cases]
+    theirs = _lmcache_answers(lmcache_site, {"chunk_size": CHUNK, "enable_blend_lookup": True}, requests, tmp_path)
+    ours = _our_answers(requests, chunk_size=CHUNK)
+    disagree, exceptions = [], []
+    for (case, *_, exception), (their_status, their_body), (our_status, our_body) in zip(cases, theirs, ours,
+                                                                                          strict=True):
+        assert their_status < 500 and our_status < 500, (case, their_status, their_body, our_status, our_body)
+        same = (their_status < 300) == (our_status < 300)
+        if exception:
+            # LMCache's lax pydantic takes "5" and true as integers; JSON Schema (and we) do not
+            assert their_status < 300 and our_status == 422, (case, their_status, our_status, our_body)
+            exceptions.append(case)
+        elif not same:
+            disagree.append((case, their_status, our_status, our_body))
+    assert disagree == [], "\n".join(map(str, disagree))
+    assert len(cases) - len(exceptions) >= 120 and len(exceptions) >= 16
+    # the whole corpus means something: integral floats accepted, fractional ones refused, by both
+    by_case = {case: (t[0], o[0]) for (case, *_), t, o in zip(cases, theirs, ours, strict=True)}
+    assert by_case["events:batches.0.seq:integral-float"] == (200, 200)
+    assert by_case["instances:http_port:integral-float"][1] == 200
+    assert by_case["blend-lookup:world_size:integral-float"] == (200, 200)
+    assert by_case["events:batches.0.seq:fractional"] == (422, 422)
+    assert by_case["events:batches.0.seq:below-float"] == (422, 422)
+
+
+def test_the_batch_endpoint_takes_numbers_as_the_single_one_does():
+    """Ours only (LMCache has no batch endpoint): each query of a batch accepts and refuses
+    exactly what the single endpoint does, and token_ids items follow LMCache's token_ids."""
+    # (JSON text of world_size, of token_ids, accepted)
+    queries = [(w, "[1, 2]", ok) for w, ok in (('"2"', False), ("2.0", True), ("2.5", False), ("0.0", False),
+                                                ("1e0", True), ("true", False))]
+    queries += [("1", ids, ok) for ids, ok in (("[1.0, 2]", True), ("[1.5]", False), ("[true]", False),
+                                               ('["1"]', False), ("[4294967295.0]", True),
+                                               ("[4294967296.0]", False), ("[-1.0]", False))]
+    requests = []
+    for world_size, token_ids, _ in queries:
+        text = '{"token_ids": %s, "model_name": "m", "world_size": %s}' % (token_ids, world_size)
+        requests.append(["POST", "/directory/blend-lookup", text])
+        requests.append(["POST", "/directory/blend-lookup/batch", '{"queries": [%s]}' % text])
+    ours = _our_answers(requests, chunk_size=CHUNK)
+    for i, (*q, ok) in enumerate(queries):
+        single, batch = ours[2 * i][0], ours[2 * i + 1][0]
+        assert (single == 200) == ok and (batch == 200) == ok, (q, single, batch, ours[2 * i][1])
+        assert single in (200, 422) and batch in (200, 422)
+
+
+# ----------------------------------------------------------------------------- token-form lookups
+def _lookup_cases(rng: np.random.Generator) -> tuple[list, list]:
+    """Events storing keys LMCache's servers would name (the hasher's chunk hashes), and the
+    token-form lookups to compare."""
+    hasher = TokenHasher("blake3", CHUNK)
+    seqs = [rng.integers(0, 150_000, size=n).tolist() for n in (3 * CHUNK + 5, 2 * CHUNK, 4 * CHUNK)]
+    events = []
+    seq_no = 0
+    for i, tokens in enumerate(seqs):
+        ws = 1 if i != 1 else 2
+        hashes = hasher.chunk_hashes(tokens)
+        entries = []
+        for k, h in enumerate(hashes[: len(hashes) - (i == 2)]):  # the last sequence: its last chunk not stored
+            for rank in range(ws):
+                for group in ((0, 1) if i == 0 and k == 0 else (0,)):
+                    entries.append({"key": {"chunk_hash_hex": h.hex(), "model_name": "m", "kv_rank": _kv_rank(ws, rank),
+                                            "object_group_id": group, "cache_salt": "s" if i == 2 else ""},
+                                    "size_bytes": 100 + k, "token_ids": tokens[k * CHUNK:(k + 1) * CHUNK],
+                                    "token_offset": k * CHUNK})
+        seq_no += 1
+        events.append(["POST", "/events", {"batches": [{"instance_id": "node-a", "incarnation": 1, "seq": seq_no,
+                                                         "event_type": "store", "tier": "l1", "backend": "dram",
+                                                         "entries": entries}]}])
+    # an L2 copy of the first sequence's second chunk, and a deleted key
+    h1 = hasher.chunk_hashes(seqs[0])[1].hex()
+    key1 = {"chunk_hash_hex": h1, "model_name": "m", "kv_rank": _kv_rank(1), "object_group_id": 0, "cache_salt": ""}
+    events.append(["POST", "/events", {"batches": [{"instance_id": "node-b", "incarnation": 3, "seq": 1,
+                                                     "event_type": "store", "tier": "l2", "backend": "fs",
+                                                     "entries": [{"key": key1, "size_bytes": 9}]}]}])
+    seq_no += 1
+    h2 = hasher.chunk_hashes(seqs[0])[2].hex()
+    events.append(["POST", "/events", {"batches": [{"instance_id": "node-a", "incarnation": 1, "seq": seq_no,
+                                                     "event_type": "delete", "tier": "l1", "backend": "dram",
+                                                     "entries": [{"key": dict(key1, chunk_hash_hex=h2)}]}]}])
+
+    def body(tokens: list, **kw: Any) -> dict:
+        return {"token_ids": tokens, "model_name": "m", "world_size": 1, "cache_salt": "", **kw}
+
+    lookups = [body(seqs[0]), body(seqs[0][: 2 * CHUNK]), body(seqs[0] + [5, 6]), body(seqs[1], world_size=2),
+               body(seqs[1]), body(seqs[2], cache_salt="s"), body(seqs[2]), body(seqs[0][: CHUNK - 1]),
+               body([9] + seqs[0]), body(seqs[0], model_name="other"), body(seqs[0], model_name="a@b"),
+               body(seqs[0][:3], model_name="a@b"), body(seqs[0], cache_salt="a/b"), body(seqs[0][:3], cache_salt="a@b"),
+               body(seqs[0], world_size=3), body(list(range(5 * CHUNK)), world_size=2, cache_salt="t")]
+    return events, [["POST", "/directory/lookup", b] for b in lookups]
+
+
+def _comparable(answer: list) -> list:
+    status, body = answer
+    if status != 200:
+        return [status]
+    # access_count is LMCache's (we keep no per-key access counter); placements carry our
+    # "shared" flag, compared where LMCache has it
+    return [status, body["chunks"], [[r["key"], sorted((p["instance_id"], p["incarnation"], p["tier"], p["backend"],
+                                                         p["size_bytes"]) for p in r["placements"]), r["token_ids"]]
+                                      for r in body["results"]]]
+
+
+def test_token_form_lookups_answer_as_the_real_coordinator(lmcache_site, tmp_path):
+    events, lookups = _lookup_cases(np.random.default_rng(11))
+    requests = events + lookups
+    theirs = _lmcache_answers(lmcache_site, {"chunk_size": CHUNK}, requests, tmp_path)
+    ours = _our_answers(requests, chunk_size=CHUNK)
+    assert [a[0] for a in theirs[: len(events)]] == [a[0] for a in ours[: len(events)]] == [200] * len(events)
+    got = [_comparable(a) for a in ours[len(events):]]
+    want = [_comparable(a) for a in theirs[len(events):]]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, (i, lookups[i][2].get("model_name"), g, w)
+    # the comparison is not vacuous: some lookups found placements in several groups and tiers
+    found = [r for a in ours[len(events):] if a[0] == 200 for r in a[1]["results"] if r["placements"]]
+    assert len(found) >= 6 and {r["key"]["object_group_id"] for r in found} == {0, 1}
+    assert sorted({a[0] for a in ours[len(events):]}) == [200, 400]
