@@ -370,7 +370,7 @@ async def test_distinct_instance_ids_are_bounded_and_stats_stay_bounded():
         assert r.status_code == 429
         assert "--max-instances" in r.json()["detail"] and "nothing was applied" in r.json()["detail"]
         stats = (await client.get("/directory/stats")).json()
-        assert len(stats["instances"]) == 5 and stats["keys"] == 5
+        assert len(stats["blendmatch"]["instances"]) == 5 and stats["num_keys"] == 5
         # known ids go on
         r = await client.post("/events", json={"batches": [store("inst-0", 2, chunks(1, seed=10), first_hash=10)]})
         assert r.status_code == 200 and r.json()["applied"] == 1

@@ -209,7 +209,7 @@ def test_two_replicas_agree_survive_sigkill_and_share_the_registry(kafka_bootstr
         assert _answers(reps[0], queries) == _answers(reps[1], queries) == _reference_answers(all_batches, queries)
         sa, sb = _state(reps[0]), _state(reps[1])
         assert sa == sb
-        assert sa["events"]["applied"] == len(all_batches) and sa["events"]["duplicates"] == 0  # none twice
+        assert sa["blendmatch"]["events"]["applied"] == len(all_batches) and sa["blendmatch"]["events"]["duplicates"] == 0  # none twice
         assert _instances(reps[0]) == _instances(reps[1]) == []
         # it resumed from its checkpoint, not from the start of the topic
         assert revived.log_stats()["records_applied"] < len(all_batches)

@@ -104,7 +104,7 @@ def test_replicas_publish_identical_streams_and_a_restart_continues_the_seq(kafk
         want = end_offsets(positions)
         for r in reps:
             r.wait_position(want)
-        stats_b = reps[1].client.get("/directory/stats").json()["kv_events"]
+        stats_b = reps[1].client.get("/directory/stats").json()["blendmatch"]["kv_events"]
         assert stats_b["next_seq"] > 0 and stats_b["dropped"] == 0
 
         # a router following b: live SUB, gaps filled by replay
@@ -120,7 +120,7 @@ def test_replicas_publish_identical_streams_and_a_restart_continues_the_seq(kafk
         feeder.join()
         reps[1] = reps[1].restart()
         reps[1].wait_up()
-        restarted_from = reps[1].client.get("/directory/stats").json()["kv_events"]
+        restarted_from = reps[1].client.get("/directory/stats").json()["blendmatch"]["kv_events"]
         want = end_offsets(positions)
         for r in reps:
             r.wait_position(want)
