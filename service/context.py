@@ -164,6 +164,8 @@ class ServiceContext:
                                              fatal=lambda: self.fatal, note_ingested=self.note_ingested)
             self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
             self.durability.lag = self.source.lag
+            self.durability.log_reasons = self.source.not_ready_reasons
+            self.durability.log_warnings = self.source.warnings
         #: The vLLM KV-events publisher (``--kv-events-endpoint``, issue 25), or None.
         self.kv_events: Any = None
         if config.kv_events_endpoint:

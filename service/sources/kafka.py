@@ -59,6 +59,7 @@ from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import EventValidationError, parse_event_body, parse_event_request, split_event_body
 
 from ..errors import LimitExceeded, ServiceUnavailable
+from .log_health import LogHealth, backoff
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
                       is_control, lmcache_record_value)
 
@@ -114,8 +115,11 @@ class KafkaSource:
         self.entries_applied = 0
         self.records_skipped = 0
         self._committed_next: dict[int, int] = {}
+        self._fatal_client_error: Optional[str] = None
         self.error: Optional[str] = None
         r = metrics.registry
+        #: Outages, log resets, the cold start's catch-up: readiness and liveness (log_health.py).
+        self.health = LogHealth(r, getattr(config, "on_log_reset", "fail"))
         self.m_lag = Gauge("blendmatch_kafka_lag_records", "records in the partition not yet applied", ["partition"],
                            registry=r)
         self.m_position = Gauge("blendmatch_kafka_position", "next offset to apply", ["partition"], registry=r)
@@ -160,10 +164,54 @@ class KafkaSource:
         def run() -> None:
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001 - reported through stats and readiness
+            except Exception as exc:  # noqa: BLE001 - reported through stats, readiness and liveness
                 self.error = f"{type(exc).__name__}: {exc}"
-                log.exception("kafka thread %s died", threading.current_thread().name)
+                self.health.dead = f"thread {threading.current_thread().name} died: {self.error}"
+                log.exception("kafka thread %s died: /healthz now fails so that the process is restarted",
+                              threading.current_thread().name)
         return run
+
+    def _retry(self, op: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` until it succeeds, retrying transient broker errors with backoff (counted
+        and reported by ``self.health``); a fatal one raises (the thread dies: /healthz
+        fails). None when the source stops meanwhile."""
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                got = fn()
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, KafkaError) and err.fatal():
+                    raise
+                failures += 1
+                self.health.broker_error(op, exc)
+                self._stop.wait(backoff(failures))
+                continue
+            self.health.broker_ok()
+            return got
+        return None
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        """librdkafka's error callback (on the thread that polls): outages are counted here
+        as soon as the client sees them; a fatal error is remembered for the fetch loop."""
+        if err.fatal():
+            self._fatal_client_error = str(err)
+        elif err.code() == KafkaError._ALL_BROKERS_DOWN:  # one connection's _TRANSPORT error is routine
+            self.health.broker_error("connection", err)
+
+    def health_problem(self) -> Optional[str]:
+        """Why ``/healthz`` must fail (restart the process), or None."""
+        if not self._stop.is_set():
+            for t in self._threads:
+                if not t.is_alive() and self.health.dead is None:
+                    self.health.dead = f"thread {t.name} stopped: {self.error or 'no error recorded'}"
+        return self.health.not_live()
+
+    def not_ready_reasons(self) -> list[str]:
+        return self.health.reasons(dict(self._next))
+
+    def warnings(self) -> list[str]:
+        return self.health.warnings()
 
     def stop(self) -> None:
         self._stop.set()
@@ -203,7 +251,9 @@ class KafkaSource:
         missing = [p for p in partitions if p not in self._next]
         committed: dict[int, int] = {}
         if missing and self._restored_next is None:
-            for tp in consumer.committed([TopicPartition(self.topic, p) for p in missing], timeout=10):
+            got = self._retry("committed offsets", lambda: consumer.committed(
+                [TopicPartition(self.topic, p) for p in missing], timeout=10))
+            for tp in got or ():
                 if tp.error is None and tp.offset >= 0:
                     committed[tp.partition] = tp.offset
         for p in partitions:
@@ -219,8 +269,10 @@ class KafkaSource:
             time.sleep(0.02)
         if self._stop.is_set():
             return
-        self._ensure_topics()
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id,
+        self._retry("create topics", self._ensure_topics)
+        if self._stop.is_set():
+            return
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id, "error_cb": self._on_client_error,
                              "client.id": f"blendmatch-{self.replica_id}", "enable.auto.commit": False,
                              "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
                              "fetch.wait.max.ms": 50, "enable.partition.eof": False,
@@ -248,8 +300,8 @@ class KafkaSource:
     def _run(self, consumer: Consumer) -> None:
         partitions: list[int] = []
         while not partitions and not self._stop.is_set():
-            partitions = self._list_partitions(consumer)
-            if not partitions:
+            partitions = self._retry("metadata", lambda: self._list_partitions(consumer)) or []
+            if not partitions and not self._stop.is_set():
                 log.warning("topic %s has no partitions yet; retrying", self.topic)
                 self._stop.wait(1.0)
         if self._stop.is_set():
@@ -280,6 +332,7 @@ class KafkaSource:
 
     def _fetch_loop(self, consumer: Consumer, runs: queue.Queue, applier: threading.Thread) -> None:
         last_commit = last_md = time.monotonic()
+        failures = 0
         while not self._stop.is_set():
             msgs = consumer.consume(_CONSUME_MAX, 0.05)
             if msgs:
@@ -297,9 +350,21 @@ class KafkaSource:
             if now - last_commit >= _COMMIT_EVERY_S:
                 self._commit(consumer, sync=False)
                 last_commit = now
+            if self._fatal_client_error is not None:
+                raise RuntimeError(f"fatal Kafka client error: {self._fatal_client_error}")
+            if msgs:
+                self.health.broker_ok()
             if now - last_md >= _METADATA_EVERY_S:
                 last_md = now
-                fresh = self._list_partitions(consumer)
+                try:
+                    fresh = self._list_partitions(consumer)
+                except KafkaException as exc:  # an outage: fetching resumes by itself once it is over
+                    failures += 1
+                    self.health.broker_error("metadata", exc)
+                    last_md = now - _METADATA_EVERY_S + backoff(failures)  # retry sooner than the period
+                    continue
+                failures = 0
+                self.health.broker_ok()
                 if fresh and fresh != self._partitions:
                     log.info("topic %s now has partitions %s", self.topic, fresh)
                     self._assign(consumer, fresh)
@@ -558,8 +623,8 @@ class KafkaSource:
             self._set_role(False)
 
         while not self._stop.is_set():  # the topic may be created by the consumer thread
-            md = consumer.list_topics(timeout=5)
-            if self.reaper_topic in md.topics:
+            md = self._retry("reaper metadata", lambda: consumer.list_topics(timeout=5))
+            if md is not None and self.reaper_topic in md.topics:
                 break
             self._stop.wait(0.2)
         consumer.subscribe([self.reaper_topic], on_assign=on_assign, on_revoke=on_revoke, on_lost=on_revoke)

