@@ -113,3 +113,33 @@ def test_a_broker_outage_is_survived_and_consumption_resumes(broker, tmp_path):
         for r in (a, late):
             if r is not None:
                 r.stop()
+
+
+# ---------------------------------------------------------------------- item 12: a cold start
+def test_a_replica_without_checkpoint_is_ready_only_at_the_log_end(broker, tmp_path):
+    """Today: ready as soon as its lag was within --max-ready-lag (1,000 records), with the
+    rest of its peers' answers missing. Now: not ready until it reached the high watermark
+    it saw at start, and /readyz says so meanwhile."""
+    topic = create_topic(broker.bootstrap)
+    n = 1500
+    recs = [(b"mp-0", lmcache_record_value(store("mp-0", s, chunks(40, seed=s), first_hash=s * 100, incarnation=1)))
+            for s in range(1, n + 1)]
+    end = end_offsets(_produce(broker.bootstrap, topic, recs))
+    r = _replica(broker, topic, "cold", tmp_path, ckpt=False)
+    try:
+        r.wait_up()
+        reasons: list[str] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            got = r.client.get("/readyz")
+            if got.status_code == 200:
+                break
+            reasons += got.json()["reasons"]
+            time.sleep(0.01)
+        assert got.status_code == 200, reasons[-3:]
+        # read after /readyz said ready: the position only grows, so it was reached then
+        assert r.log_stats()["position"] == end
+        assert reasons  # it was not ready at first
+        assert any("catching up to the log's end" in x for x in reasons) or all("unknown" in x for x in reasons)
+    finally:
+        r.stop()

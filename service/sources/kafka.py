@@ -104,6 +104,8 @@ class KafkaSource:
         self._restored_next: Optional[dict[int, int]] = None
         self._hb_pos: dict[str, tuple[int, int]] = {}  # instance -> its last register/heartbeat record
         self._lag: dict[int, int] = {}
+        self._high: dict[int, int] = {}          # partition -> high watermark last seen (cached: see _update_lag)
+        self._cold = False                       # started without a checkpoint, log end not seen yet
         self._partitions: list[int] = []
         self._applied_cv = threading.Condition()
         self._stop = threading.Event()
@@ -269,6 +271,7 @@ class KafkaSource:
             time.sleep(0.02)
         if self._stop.is_set():
             return
+        self._cold = self._restored_next is None
         self._retry("create topics", self._ensure_topics)
         if self._stop.is_set():
             return
@@ -377,9 +380,15 @@ class KafkaSource:
                 continue
             if high is None or high < 0:  # not fetched yet: unknown (the live value is wrong on tansu)
                 continue
+            self._high[p] = high
             lag = max(0, high - self._next.get(p, 0))
             self._lag[p] = lag
             self.m_lag.labels(str(p)).set(lag)
+        if self._cold and all(p in self._high for p in self._partitions):
+            # no checkpoint: ready only at the log's end as first seen (log_health.py), not
+            # within --max-ready-lag of it
+            self._cold = False
+            self.health.catch_up = {p: self._high[p] for p in self._partitions}
 
     def _commit(self, consumer: Consumer, *, sync: bool) -> None:
         todo = [TopicPartition(self.topic, p, o) for p, o in dict(self._next).items()  # a copy: the apply thread writes
