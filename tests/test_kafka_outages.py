@@ -143,3 +143,137 @@ def test_a_replica_without_checkpoint_is_ready_only_at_the_log_end(broker, tmp_p
         assert any("catching up to the log's end" in x for x in reasons) or all("unknown" in x for x in reasons)
     finally:
         r.stop()
+
+
+# ---------------------------------------------------------------------- item 2: log loss
+def _recreate_topic(bootstrap: str, topic: str, partitions: int = 1) -> None:
+    """The operator's (or a producer's) new topic of the same name; the replica may have
+    recreated it first (it creates a missing topic with one partition)."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    try:
+        admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(10)
+    except KafkaException as exc:
+        assert exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS and partitions == 1, exc
+
+
+def _lookup(r: Replica, rows: Any) -> list:
+    got = r.client.post("/directory/blend-lookup", json={"token_ids": rows.reshape(-1).tolist(), "model_name": "llama"})
+    assert got.status_code == 200, got.text
+    return got.json()["matches"]
+
+
+def test_a_broker_that_lost_its_log_is_detected_and_resync_rebuilds(broker, tmp_path):
+    """Today: after the broker came back empty, the replica at position 30 applied the new
+    log's records 30-39 as if they followed its own, skipped 0-29 as "already applied",
+    kept the old chunks and said ready. Now: the reset is detected and counted, and with
+    --on-log-reset resync the replica forgets the old state and rebuilds from the new log."""
+    topic = create_topic(broker.bootstrap)
+    r = _replica(broker, topic, "rs", tmp_path, "--on-log-reset", "resync")
+    try:
+        old = _produce(broker.bootstrap, topic, _records("mp-old", range(1, 31), seed=2))
+        r.wait_up()
+        r.wait_position(end_offsets(old))
+        assert r.client.post("/instances", json={"instance_id": "mp-reg", "ip": "10.0.0.1",
+                                                 "http_port": 80}).status_code == 200
+        old_rows = chunks(1, seed=2_000_000 + 5)
+        assert len(_lookup(r, old_rows)) == 1
+
+        broker.restart_empty()
+        _recreate_topic(broker.bootstrap, topic)
+        new = _produce(broker.bootstrap, topic, _records("mp-new", range(1, 41), seed=3))  # longer than 30
+        assert end_offsets(new) == {"0": 40}
+
+        def rebuilt() -> bool:
+            ls = r.log_stats()
+            return ls["log_resets"] >= 1 and ls["log_reset"] is None and ls["position"] == {"0": 40}
+
+        wait_for(rebuilt, 60, "the resync to rebuild from the new log")
+        wait_for(lambda: r.client.get("/readyz").status_code == 200, 30, "ready after the resync")
+        assert _keys(r) == 40
+        assert _lookup(r, old_rows) == []  # the old log's chunks are gone with it
+        assert len(_lookup(r, chunks(1, seed=3_000_000 + 7))) == 1
+        assert r.client.get("/instances").json()["instances"] == []
+        assert _total(_metrics(r), "blendmatch_kafka_log_resets_total") >= 1
+        assert r.client.get("/healthz").status_code == 200
+        ls = r.log_stats()
+        assert ls["records_skipped"] == 0
+    finally:
+        r.stop()
+
+
+def test_a_broker_that_lost_its_log_fails_loudly_by_default(broker, tmp_path):
+    """--on-log-reset fail (the default): the replica stops following, applies nothing of
+    the new log, and both probes answer 503 with the reason."""
+    topic = create_topic(broker.bootstrap)
+    r = _replica(broker, topic, "rf", tmp_path)
+    try:
+        old = _produce(broker.bootstrap, topic, _records("mp-old", range(1, 31), seed=2))
+        r.wait_up()
+        r.wait_position(end_offsets(old))
+        broker.restart_empty()
+        _recreate_topic(broker.bootstrap, topic)
+        _produce(broker.bootstrap, topic, _records("mp-new", range(1, 11), seed=3))  # shorter than 30
+
+        health = wait_for(lambda: (h := r.client.get("/healthz")).status_code == 503 and h, 60, "healthz to fail")
+        assert "event log reset" in health.json()["reason"] and "--on-log-reset fail" in health.json()["reason"]
+        ready = r.client.get("/readyz")
+        assert ready.status_code == 503 and any("event log reset" in x for x in ready.json()["reasons"])
+        assert _keys(r) == 30 and r.log_stats()["position"] == {"0": 30}  # nothing of the new log applied
+        assert _total(_metrics(r), "blendmatch_kafka_log_resets_total") == 1
+    finally:
+        r.stop()
+
+
+# ---------------------------------------------------------------------- item 3: appends
+def _timed(call) -> tuple[float, httpx.Response]:
+    t0 = time.monotonic()
+    got = call()
+    return time.monotonic() - t0, got
+
+
+def test_appends_answer_within_the_bound_and_a_broken_producer_is_replaced(broker, tmp_path):
+    """Today: with the broker down, POST /events and POST /instances took 30 s to answer
+    503; after the broker came back without its producer state, every append timed out
+    for good. Now: a 503 naming --kafka-produce-timeout within the bound, and appends work
+    again once the broker is back, through a new producer where the old one broke."""
+    bound = 2.0
+    slack = 3.0  # HTTP, the event loop and a loaded machine
+    topic = create_topic(broker.bootstrap)
+    r = _replica(broker, topic, "p", tmp_path, "--kafka-produce-timeout", str(bound), "--on-log-reset", "resync")
+    body = lambda seq: {"batches": [store("mp-http", seq, chunks(1, seed=seq), first_hash=seq, incarnation=1)]}  # noqa: E731
+    try:
+        r.wait_up()
+        wait_for(lambda: r.client.post("/events", json=body(1)).status_code == 200, 30, "a first append")
+
+        broker.cut()
+        for call in (lambda: r.client.post("/events", json=body(2)),
+                     lambda: r.client.post("/instances", json={"instance_id": "mp-r", "ip": "10.0.0.1", "http_port": 80})):
+            took, got = _timed(call)
+            assert got.status_code == 503 and took < bound + slack, (took, got.text)
+            assert "--kafka-produce-timeout" in got.json()["detail"], got.text
+        broker.restore()
+
+        def appends() -> bool:
+            took, got = _timed(lambda: r.client.post("/events", json=body(3)))
+            assert took < bound + slack, (took, got.text)
+            return got.status_code == 200
+
+        wait_for(appends, 60, "appends to work after the outage", every=0.2)
+
+        broker.restart_empty()  # the broker forgot every producer id
+        _recreate_topic(broker.bootstrap, topic)
+        seq = iter(range(4, 1000))
+        wait_for(lambda: _timed(lambda: r.client.post("/events", json=body(next(seq))))[1].status_code == 200, 60,
+                 "appends to work after the broker came back empty", every=0.2)
+        for _ in range(3):  # and keep working, each within the bound
+            took, got = _timed(lambda: r.client.post("/events", json=body(next(seq))))
+            assert got.status_code == 200 and took < bound + slack, (took, got.text)
+        m = _metrics(r)
+        assert _total(m, "blendmatch_kafka_append_failures_total") >= 2
+        assert _total(m, "blendmatch_kafka_producer_renewals_total") >= 1
+        assert r.client.get("/healthz").status_code == 200
+    finally:
+        r.stop()

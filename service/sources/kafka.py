@@ -28,8 +28,16 @@ does not decode or validate is skipped, counted (``reason``) and logged with its
 and offset, and the position moves past it: a poison record never stalls a partition.
 
 Producing. ``POST /events`` and the registry routes append records with an idempotent
-producer (``acks=all``) and answer once the broker acknowledged; this replica applies them
-when it consumes them, like every other replica.
+producer (``acks=all``) and answer once the broker acknowledged, within
+``--kafka-produce-timeout`` (``producer.py``: a 503 past it, a broken producer replaced);
+this replica applies them when it consumes them, like every other replica.
+
+Bad days (``log_health.py``): broker errors are retried with backoff and counted, and
+fetching resumes by itself after an outage; a log that lost records this replica applied
+(a high watermark or a record below its position, a recreated or deleted topic, fewer
+partitions) is never skipped silently: ``--on-log-reset`` fails (not ready, not live) or
+rebuilds the state from the new log. A replica started without a checkpoint is ready only
+once at the log's end as first seen.
 
 The reaper role. Every replica is a member of the consumer group ``<group>-reaper`` on the
 one-partition topic ``<topic>-reaper`` (``--kafka-reaper-topic``); the member that owns
@@ -50,7 +58,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollection, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client import Counter, Gauge
 
@@ -59,16 +67,12 @@ from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import EventValidationError, parse_event_body, parse_event_request, split_event_body
 
 from ..errors import LimitExceeded, ServiceUnavailable
-from .log_health import LogHealth, backoff
+from .log_health import LogHealth, backoff, reset_reason
+from .producer import MAX_RECORD_BYTES, LogProducer
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
                       is_control, lmcache_record_value)
 
 __all__ = ["KafkaSource", "SECTION"]
-
-#: Largest record the producer sends (librdkafka's default ``message.max.bytes``; brokers
-#: default to about the same). One LMCache batch is one record, so this bounds a batch
-#: appended through ``POST /events``: about 500 entries of 256 tokens as JSON lists.
-MAX_RECORD_BYTES = 1_000_000
 
 log = logging.getLogger("blendmatch.service.kafka")
 
@@ -79,6 +83,11 @@ _RUNS_QUEUED = 2           # split runs waiting for the apply thread (memory: ~2
 _COMMIT_EVERY_S = 1.0
 _METADATA_EVERY_S = 10.0
 _SKIP_LOG_FIRST = 20       # skipped records logged one by one, then every 1000th
+
+
+class _LogReset(Exception):
+    """The broker lost records this replica applied (``log_health.py``): the fetch loop
+    stops; ``--on-log-reset`` decides what follows."""
 
 
 class KafkaSource:
@@ -106,11 +115,13 @@ class KafkaSource:
         self._lag: dict[int, int] = {}
         self._high: dict[int, int] = {}          # partition -> high watermark last seen (cached: see _update_lag)
         self._cold = False                       # started without a checkpoint, log end not seen yet
+        self._topic_id: Optional[str] = None     # the topic's id when first seen (or checkpointed)
+        self._topic_ids = True                   # False: the broker does not say (describe_topics unsupported)
+        self._rewound: Optional[tuple[int, int, int]] = None  # (partition, offset, position): a record below it
         self._partitions: list[int] = []
         self._applied_cv = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._producer: Optional[Producer] = None
         self._consumer: Optional[Consumer] = None
         self.holds_reaper_role = False
         self.records_applied = 0
@@ -122,6 +133,9 @@ class KafkaSource:
         r = metrics.registry
         #: Outages, log resets, the cold start's catch-up: readiness and liveness (log_health.py).
         self.health = LogHealth(r, getattr(config, "on_log_reset", "fail"))
+        #: Appends (producer.py): bounded answer time, replaced when it breaks.
+        self.producer = LogProducer(self.bootstrap, f"blendmatch-{self.replica_id}",
+                                    float(getattr(config, "kafka_produce_timeout", 5.0)), r)
         self.m_lag = Gauge("blendmatch_kafka_lag_records", "records in the partition not yet applied", ["partition"],
                            registry=r)
         self.m_position = Gauge("blendmatch_kafka_position", "next offset to apply", ["partition"], registry=r)
@@ -132,6 +146,9 @@ class KafkaSource:
                                  ["reason"], registry=r)
         self.m_published = Counter("blendmatch_kafka_records_published", "records appended by this replica",
                                    ["kind"], registry=r)
+        self.m_append_failures = Counter("blendmatch_kafka_append_failures",
+                                         "appends answered 503 (broker unreachable or no acknowledgement in time)",
+                                         ["kind"], registry=r)
         self.m_reaper = Gauge("blendmatch_kafka_reaper_role", "1 while this replica holds the reaper role",
                               registry=r)
 
@@ -139,7 +156,7 @@ class KafkaSource:
     def snapshot(self) -> dict[str, Any]:
         """Called with the directory lock held (ingest paused): matches the state exactly."""
         return {"version": 1, "topic": self.topic, "next": {str(p): o for p, o in sorted(self._next.items())},
-                "control": {iid: list(pos) for iid, pos in self._hb_pos.items()}}
+                "control": {iid: list(pos) for iid, pos in self._hb_pos.items()}, "topic_id": self._topic_id}
 
     def restore(self, doc: dict[str, Any]) -> None:
         if doc.get("version") != 1:
@@ -150,13 +167,12 @@ class KafkaSource:
         self._restored_next = {int(p): int(o) for p, o in doc["next"].items()}
         self._next = dict(self._restored_next)
         self._hb_pos = {str(i): (int(p), int(o)) for i, (p, o) in doc.get("control", {}).items()}
+        self._topic_id = doc.get("topic_id")  # absent in checkpoints before issue 23: learnt at start
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._producer = Producer({"bootstrap.servers": self.bootstrap, "client.id": f"blendmatch-{self.replica_id}",
-                                   "enable.idempotence": True, "acks": "all", "linger.ms": 1,
-                                   "message.timeout.ms": 30_000, "message.max.bytes": MAX_RECORD_BYTES})
-        for target, name in ((self._consume_loop, "blendmatch-kafka"), (self._producer_loop, "blendmatch-kafka-producer"),
+        self._threads.append(self.producer.start(self._guard))
+        for target, name in ((self._consume_loop, "blendmatch-kafka"),
                              (self._reaper_loop, "blendmatch-kafka-reaper")):
             t = threading.Thread(target=self._guard(target), name=name, daemon=True)
             t.start()
@@ -204,8 +220,8 @@ class KafkaSource:
     def health_problem(self) -> Optional[str]:
         """Why ``/healthz`` must fail (restart the process), or None."""
         if not self._stop.is_set():
-            for t in self._threads:
-                if not t.is_alive() and self.health.dead is None:
+            for t in self._threads:  # (a consumer that stopped on a log reset says so itself)
+                if not t.is_alive() and self.health.dead is None and self.health.reset is None:
                     self.health.dead = f"thread {t.name} stopped: {self.error or 'no error recorded'}"
         return self.health.not_live()
 
@@ -220,10 +236,7 @@ class KafkaSource:
         for t in self._threads:
             t.join(timeout=15)
         self._threads = []
-        if self._producer is not None:
-            left = self._producer.flush(5.0)
-            if left:
-                log.warning("%d appended records were not acknowledged before the stop", left)
+        self.producer.stop()
 
     # ------------------------------------------------------------------ consuming
     def _ensure_topics(self) -> None:
@@ -240,12 +253,14 @@ class KafkaSource:
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise
 
-    def _list_partitions(self, consumer: Consumer) -> list[int]:
+    def _list_partitions(self, consumer: Consumer) -> Optional[list[int]]:
+        """The topic's partitions; [] while the broker reports an error for it; None when
+        the topic does not exist."""
         md = consumer.list_topics(timeout=10)  # all topics: naming one would auto-create it
         topic = md.topics.get(self.topic)
-        if topic is None or topic.error is not None:
-            return []
-        return sorted(topic.partitions)
+        if topic is None:
+            return None
+        return [] if topic.error is not None else sorted(topic.partitions)
 
     def _start_offsets(self, consumer: Consumer, partitions: list[int]) -> dict[int, int]:
         """Checkpoint > committed offsets (of this replica's group) > 0 (earliest)."""
@@ -272,9 +287,45 @@ class KafkaSource:
         if self._stop.is_set():
             return
         self._cold = self._restored_next is None
+        while not self._stop.is_set():
+            try:
+                self._follow()
+                return
+            except _LogReset as exc:
+                if self.health.on_reset == "fail":
+                    log.error("event log reset (%s): no longer following %s (--on-log-reset fail); /readyz and "
+                              "/healthz answer 503 until an operator acts (docs/fleet.md)", exc, self.topic)
+                    return
+                self._resync(str(exc))
+
+    def _resync(self, reason: str) -> None:
+        """``--on-log-reset resync``: forget everything the old log built (index, gate,
+        registry, positions) and follow the new log from its start; ready again once at its
+        end (the catch-up rule of a cold start)."""
+        directory = self._directory()
+        with directory.ingest_lock:
+            directory.clear()
+            self._registry.restore({"version": 1, "instances": []})
+            self._hb_pos.clear()
+            self._next.clear()
+            self._lag.clear()
+            self._high.clear()
+            self._committed_next.clear()
+            self._restored_next = {}  # positions known (none): start at the earliest, not at committed offsets
+            self._topic_id = None
+            self._rewound = None
+            self._partitions = []
+            self._cold = True
+        log.error("event log reset (%s): state cleared, rebuilding from the start of %s (--on-log-reset resync)",
+                  reason, self.topic)
+
+    def _follow(self) -> None:
+        """One consumer from the current positions until the stop (returns) or a log reset
+        (raises :class:`_LogReset`, after the records already fetched were applied)."""
         self._retry("create topics", self._ensure_topics)
         if self._stop.is_set():
             return
+        self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id, "error_cb": self._on_client_error,
                              "client.id": f"blendmatch-{self.replica_id}", "enable.auto.commit": False,
                              "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
@@ -291,11 +342,19 @@ class KafkaSource:
             consumer.close()
 
     def _assign(self, consumer: Consumer, partitions: list[int]) -> None:
-        starts = self._start_offsets(consumer, partitions)
+        """Follow ``partitions``: all of them at the start, then only those added (a partition
+        already followed is never re-assigned, so no record below a position is ever
+        fetched again: one that is means the log was rewound)."""
+        new = [p for p in partitions if p not in self._partitions]
+        starts = self._start_offsets(consumer, new)
         with self._directory().ingest_lock:
             for p, o in starts.items():
                 self._next.setdefault(p, o)
-        consumer.assign([TopicPartition(self.topic, p, self._next[p]) for p in partitions])
+        tps = [TopicPartition(self.topic, p, self._next[p]) for p in new]
+        if self._partitions:
+            consumer.incremental_assign(tps)
+        else:
+            consumer.assign(tps)
         self._partitions = partitions
         log.info("replica %s follows %s partitions %s from %s", self.replica_id, self.topic, partitions,
                  {p: self._next[p] for p in partitions})
@@ -309,6 +368,7 @@ class KafkaSource:
                 self._stop.wait(1.0)
         if self._stop.is_set():
             return
+        self._retry("metadata", lambda: self._check_topic(partitions))  # a recreated topic, before any fetch
         self._assign(consumer, partitions)
         # Fetch and split here, validate and apply on a second thread (module docstring).
         runs: queue.Queue = queue.Queue(maxsize=_RUNS_QUEUED)
@@ -349,6 +409,7 @@ class KafkaSource:
                     except queue.Full:
                         pass
             self._update_lag(consumer)
+            self._check_positions()
             now = time.monotonic()
             if now - last_commit >= _COMMIT_EVERY_S:
                 self._commit(consumer, sync=False)
@@ -361,6 +422,7 @@ class KafkaSource:
                 last_md = now
                 try:
                     fresh = self._list_partitions(consumer)
+                    self._check_topic(fresh)
                 except KafkaException as exc:  # an outage: fetching resumes by itself once it is over
                     failures += 1
                     self.health.broker_error("metadata", exc)
@@ -371,6 +433,56 @@ class KafkaSource:
                 if fresh and fresh != self._partitions:
                     log.info("topic %s now has partitions %s", self.topic, fresh)
                     self._assign(consumer, fresh)
+
+    def _reset(self, kind: str, reason: str) -> None:
+        """A log reset: counted, remembered for the probes, and the fetch loop stops."""
+        self.health.reset = reason
+        self.health.resets += 1
+        self.health.m_resets.labels(kind).inc()
+        raise _LogReset(reason)
+
+    def _check_positions(self) -> None:
+        """Fetch thread, every round: a high watermark below a position, or a record below
+        one (log_health.py)."""
+        if self._rewound is not None:
+            p, o, at = self._rewound
+            self._reset("rewound", f"partition {p} delivered offset {o} below this replica's position {at}")
+        for p in self._partitions:
+            why = reset_reason(p, self._next.get(p, 0), self._high.get(p))
+            if why is not None:
+                self._reset("high_watermark", why)
+
+    def _check_topic(self, partitions: Optional[list[int]]) -> None:
+        """Fetch thread, with each metadata refresh: the topic deleted, recreated (its id
+        changed) or with fewer partitions. Raises KafkaException on a broker error."""
+        if partitions is None:
+            self._reset("topic_missing", f"topic {self.topic} no longer exists on the broker")
+        if not partitions:
+            return  # the broker reports an error for it: known at the next refresh
+        lost = [p for p in self._partitions if p not in partitions]
+        if lost:
+            self._reset("partitions", f"topic {self.topic} has partitions {partitions}, this replica followed "
+                                      f"{self._partitions}")
+        if not self._topic_ids:
+            return
+        try:
+            desc = self._admin.describe_topics(TopicCollection([self.topic]))[self.topic].result(10)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() in (KafkaError._UNSUPPORTED_FEATURE,
+                                                              KafkaError.UNSUPPORTED_VERSION):
+                self._topic_ids = False
+                log.info("the broker does not report topic ids: a recreated topic is detected only when it is "
+                         "shorter than this replica's position")
+                return
+            raise
+        tid = str(desc.topic_id) if desc.topic_id is not None else None
+        if tid is None:
+            return
+        if self._topic_id is None:
+            self._topic_id = tid
+        elif tid != self._topic_id:
+            self._reset("topic_recreated", f"topic {self.topic} was recreated (id {tid}, was {self._topic_id})")
 
     def _update_lag(self, consumer: Consumer) -> None:
         for p in self._partitions:
@@ -389,6 +501,7 @@ class KafkaSource:
             # within --max-ready-lag of it
             self._cold = False
             self.health.catch_up = {p: self._high[p] for p in self._partitions}
+        self.health.progress(self._next)
 
     def _commit(self, consumer: Consumer, *, sync: bool) -> None:
         todo = [TopicPartition(self.topic, p, o) for p, o in dict(self._next).items()  # a copy: the apply thread writes
@@ -452,8 +565,10 @@ class KafkaSource:
                         log.warning("kafka fetch error on %s: %s", self.topic, what)
                     continue
                 p, o = m.partition(), m.offset()
-                if o < self._next.get(p, 0):
-                    continue  # already applied (a rewind after a re-assignment)
+                if o < self._next.get(p, 0):  # never re-fetched (_assign): the log was rewound under us
+                    if self._rewound is None:
+                        self._rewound = (p, o, self._next[p])
+                    continue
                 self._next[p] = o + 1
                 nbytes += len(m.value() or b"")
                 if kind == "event":
@@ -535,21 +650,10 @@ class KafkaSource:
         self.m_records.labels("control").inc()
 
     # ------------------------------------------------------------------ producing
-    def _producer_loop(self) -> None:
-        producer = self._producer
-        assert producer is not None
-        try:
-            producer.list_topics(timeout=5)  # warms the idempotent producer (PID), 0.5 s otherwise
-        except KafkaException:
-            pass
-        while not self._stop.is_set():
-            producer.poll(0.05)
-
     async def append(self, records: list[tuple[bytes, bytes, Optional[list]]], kind: str) -> list[tuple[int, int]]:
         """Append ``(key, value, headers)`` records; returns their ``(partition, offset)``
         once the broker acknowledged every one. Raises ServiceUnavailable otherwise."""
-        producer = self._producer
-        if producer is None or self._stop.is_set():
+        if not self.producer.running or self._stop.is_set():
             raise ServiceUnavailable("the Kafka producer is not running")
         for i, (key, value, _headers) in enumerate(records):
             # Checked before anything is produced: a record the producer refuses half-way
@@ -558,27 +662,13 @@ class KafkaSource:
                 raise LimitExceeded(f"batch {i} encodes to a {len(key) + len(value):,}-byte record; the log takes "
                                     f"at most {MAX_RECORD_BYTES:,} bytes per record (one record per batch): "
                                     "send fewer entries per batch (nothing was appended)")
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future] = [loop.create_future() for _ in records]
-
-        def callback(fut: asyncio.Future) -> Callable[[Any, Any], None]:
-            def done(err: Any, msg: Any) -> None:
-                result = (err, None) if err is not None else (None, (msg.partition(), msg.offset()))
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-            return done
-
         try:
-            for (key, value, headers), fut in zip(records, futures):
-                producer.produce(self.topic, value=value, key=key, headers=headers, on_delivery=callback(fut))
-        except (BufferError, KafkaException) as exc:
-            raise ServiceUnavailable(f"could not append to {self.topic}: {exc}") from None
-        results = await asyncio.gather(*futures)
-        errors = [str(err) for err, _ in results if err is not None]
-        self.m_published.labels(kind).inc(len(records) - len(errors))
-        if errors:
-            raise ServiceUnavailable(f"the broker did not acknowledge {len(errors)} of {len(records)} records "
-                                     f"(the others were appended): {errors[0]}")
-        return [pos for _, pos in results]
+            positions = await self.producer.append(self.topic, records)
+        except ServiceUnavailable:
+            self.m_append_failures.labels(kind).inc()
+            raise
+        self.m_published.labels(kind).inc(len(positions))
+        return positions
 
     @staticmethod
     def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
@@ -680,5 +770,7 @@ class KafkaSource:
                 "position": {str(p): self._next.get(p, 0) for p in self._partitions},
                 "lag": {str(p): self._lag.get(p) for p in self._partitions}, "records_applied": self.records_applied,
                 "entries_applied": self.entries_applied, "records_skipped": self.records_skipped,
-                "reaper_role": self.holds_reaper_role, "error": self.error}
+                "reaper_role": self.holds_reaper_role, "error": self.error,
+                "broker_unreachable_s": self.health.unreachable_s(), "reconnects": self.health.reconnects,
+                "log_resets": self.health.resets, "log_reset": self.health.reset, "topic_id": self._topic_id}
 

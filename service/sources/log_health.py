@@ -130,10 +130,21 @@ class LogHealth:
             if behind:
                 out.append("catching up to the log's end seen at a start without checkpoint: " + ", ".join(
                     f"partition {p} at {at} of {o}" for p, (at, o) in sorted(behind.items())))
-            else:
-                self.catch_up = None
-                log.info("caught up to the log's end seen at start: %s", target)
         return out
+
+    def progress(self, positions: dict[int, int]) -> None:
+        """Fetch thread, every round: end the catch-up (and a resync) once every partition
+        reached its target."""
+        target = self.catch_up
+        if target is None or any(positions.get(p, 0) < o for p, o in target.items()):
+            return
+        self.catch_up = None
+        if self.reset is not None and self.on_reset == "resync":
+            log.warning("resync after the log reset (%s) complete: rebuilt from the new log up to %s", self.reset,
+                        target)
+            self.reset = None
+        else:
+            log.info("caught up to the log's end seen at start: %s", target)
 
     def warnings(self) -> list[str]:
         gone = self.unreachable_s()
