@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -71,12 +71,21 @@ def _decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: Callable
                                 f"{json.dumps(log_safe(batch.instance_id))} (its instance patterns do not match; "
                                 f"see docs/security.md); nothing was applied")
     if max_instances is not None:
-        tracked, new = directory.unknown_instances(batch.instance_id for batch in request.batches)
-        if new and tracked + len(new) > max_instances:
-            raise TooManyInstances(f"body.batches: instance {json.dumps(log_safe(new[0]))} would be one more than the "
-                                   f"{max_instances} instance ids this server tracks (--max-instances; {tracked} now); "
-                                   "ids leave when their instance deregisters or expires; nothing was applied")
+        check_instance_bound(directory, (batch.instance_id for batch in request.batches), max_instances)
     return directory.apply_detailed(request)
+
+
+def check_instance_bound(directory: KeyDirectory, instance_ids: Iterable[str], max_instances: int,
+                         outcome: str = "nothing was applied") -> None:
+    """The bound on tracked instance ids (``--max-instances``) for one event request:
+    :class:`TooManyInstances` (429) when its ids not tracked yet would take the count of
+    instances with an event cursor past the bound. One rule for both transports: in Kafka
+    mode it is checked before anything is appended, against this replica's cursors."""
+    tracked, new = directory.unknown_instances(instance_ids)
+    if new and tracked + len(new) > max_instances:
+        raise TooManyInstances(f"body.batches: instance {json.dumps(log_safe(new[0]))} would be one more than the "
+                               f"{max_instances} instance ids this server tracks (--max-instances; {tracked} now); "
+                               f"ids leave when their instance deregisters or expires; {outcome}")
 
 
 @router.post(
@@ -118,9 +127,11 @@ async def answer_events(ctx: ServiceContext, raw: bytes, may_act_for: Callable[[
     return reply.__pydantic_serializer__.to_json(reply)
 
 
-def _records(source: Any, raw: bytes, may_act_for: Callable[[str], bool] | None = None) -> Any:
+def _records(source: Any, raw: bytes, may_act_for: Callable[[str], bool] | None = None,
+             directory: KeyDirectory | None = None, max_instances: int | None = None) -> Any:
     """Kafka mode: the request's LMCache records (validated whole by the source), after the
-    same producer instance-pattern check as HTTP mode (403, nothing appended)."""
+    same producer instance-pattern check (403) and instance-id bound (429) as HTTP mode,
+    nothing appended when either refuses."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
@@ -135,6 +146,9 @@ def _records(source: Any, raw: bytes, may_act_for: Callable[[str], bool] | None 
                 raise Forbidden(f"body.batches.{i}.instance_id: this credential may not send events for instance "
                                 f"{json.dumps(log_safe(batch['instance_id']))} (its instance patterns do not "
                                 "match; see docs/security.md); nothing was appended")
+    if directory is not None and max_instances is not None:
+        check_instance_bound(directory, (str(b["instance_id"]) for b in payload["batches"]), max_instances,
+                             "nothing was appended")
     return records
 
 
@@ -143,5 +157,5 @@ async def _publish(ctx: Any, raw: bytes, may_act_for: Callable[[str], bool] | No
     one LMCache record per batch, reply once the broker acknowledged every record:
     ``{"published": N, "topic": T, "records": [{"partition", "offset"}, ...]}`` (200). This
     replica applies the batches when it consumes them, like every other replica."""
-    records = await ctx.run_event_task(_records, ctx.source, raw, may_act_for)
+    records = await ctx.run_event_task(_records, ctx.source, raw, may_act_for, ctx.directory, ctx.config.max_instances)
     return json.dumps(await ctx.source.publish_events(records), separators=(",", ":")).encode()

@@ -277,3 +277,37 @@ def test_appends_answer_within_the_bound_and_a_broken_producer_is_replaced(broke
         assert r.client.get("/healthz").status_code == 200
     finally:
         r.stop()
+
+
+# ---------------------------------------------------------------------- --max-instances
+def test_max_instances_bounds_appends_as_in_http_mode(broker, tmp_path):
+    """Today: in Kafka mode POST /events appended events for any number of new instance
+    ids. Now: the HTTP-mode rule (tests/test_http_limits.py), checked before anything is
+    appended, against this replica's applied state; registrations likewise."""
+    topic = create_topic(broker.bootstrap)
+    r = _replica(broker, topic, "mi", tmp_path, "--max-instances", "3")
+    try:
+        r.wait_up()
+        for i in range(3):
+            got = r.client.post("/events", json={"batches": [store(f"inst-{i}", 1, chunks(1, seed=i), first_hash=i)]})
+            assert got.status_code == 200, got.text
+        r.wait_position({"0": 3})
+        before = r.log_stats()["position"]
+        got = r.client.post("/events", json={"batches": [store("inst-0", 2, chunks(1, seed=10), first_hash=10),
+                                                         store("inst-new", 1, chunks(1, seed=11), first_hash=11)]})
+        assert got.status_code == 429, got.text
+        assert "--max-instances" in got.json()["detail"] and "nothing was appended" in got.json()["detail"]
+        got = r.client.post("/events", json={"batches": [store("inst-0", 2, chunks(1, seed=10), first_hash=10)]})
+        assert got.status_code == 200, got.text  # known ids go on
+        r.wait_position({"0": before["0"] + 1})
+        assert r.log_stats()["position"] == {"0": before["0"] + 1}  # the refused request appended nothing
+        assert len(r.client.get("/directory/stats").json()["blendmatch"]["instances"]) == 3
+        for i in range(3):
+            got = r.client.post("/instances", json={"instance_id": f"mp-{i}", "ip": "10.0.0.1", "http_port": 80})
+            assert got.status_code == 200, got.text
+        got = r.client.post("/instances", json={"instance_id": "mp-3", "ip": "10.0.0.1", "http_port": 80})
+        assert got.status_code == 429 and "--max-instances" in got.json()["detail"]
+        got = r.client.post("/instances", json={"instance_id": "mp-0", "ip": "10.0.0.1", "http_port": 80})
+        assert got.status_code == 200 and got.json()["re_registered"]
+    finally:
+        r.stop()
