@@ -190,6 +190,23 @@ def end_offsets(positions: Iterable[tuple[int, int]]) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------- outages and log loss
+def bind_again(port: int, timeout: float = 10) -> socket.socket:
+    """A socket bound to ``127.0.0.1:port`` (SO_REUSEADDR), retried while the port is
+    still held by what just released it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 class TcpProxy:
     """A TCP relay in front of the broker, so a test can cut the network (``down``: the
     listener and every relayed connection closed, connects refused, as with a stopped
@@ -207,17 +224,7 @@ class TcpProxy:
     def up(self) -> None:
         import threading
 
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                srv.bind(("127.0.0.1", self.port))
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        srv = bind_again(self.port)
         srv.listen(64)
         self._listener = srv
         threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
@@ -324,17 +331,7 @@ class Broker:
     def restart_empty(self) -> None:
         self.proxy.down()  # clients see the outage at once, as with a stopped broker
         self._stop()
-        deadline = time.monotonic() + 10
-        while True:  # the same port again
-            try:
-                with socket.socket() as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    s.bind(("127.0.0.1", self.broker_port))
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        bind_again(self.broker_port).close()  # the same port again, once the old broker let it go
         self.proxy.up()
         self._start()
 

@@ -39,11 +39,7 @@ partitions) is never skipped silently: ``--on-log-reset`` fails (not ready, not 
 rebuilds the state from the new log. A replica started without a checkpoint is ready only
 once at the log's end as first seen.
 
-The reaper role. Every replica is a member of the consumer group ``<group>-reaper`` on the
-one-partition topic ``<topic>-reaper`` (``--kafka-reaper-topic``); the member that owns
-partition 0 holds the role. The broker moves it when the holder leaves (at once) or dies
-(after ``--kafka-session-timeout-ms``). Only the holder publishes expiry fences
-(``records.py``); every replica applies them.
+The reaper role: ``reaper.py``.
 
 ``confluent_kafka`` is imported when this module is, and this module only in Kafka mode.
 """
@@ -64,13 +60,14 @@ from prometheus_client import Counter, Gauge
 
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.registry import InstanceRegistry
-from blendmatch.index.wire import EventValidationError, parse_event_body, parse_event_request, split_event_body
+from blendmatch.index.wire import parse_event_request
 
 from ..errors import LimitExceeded, ServiceUnavailable
-from .log_health import LogHealth, backoff, reset_reason
+from .log_health import LogHealth, backoff, position_reset, topic_reset
 from .producer import MAX_RECORD_BYTES, LogProducer
+from .reaper import ReaperMembership
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
-                      is_control, lmcache_record_value)
+                      decode_run, lmcache_record_value, split_run)
 
 __all__ = ["KafkaSource", "SECTION"]
 
@@ -123,7 +120,6 @@ class KafkaSource:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._consumer: Optional[Consumer] = None
-        self.holds_reaper_role = False
         self.records_applied = 0
         self.entries_applied = 0
         self.records_skipped = 0
@@ -149,8 +145,8 @@ class KafkaSource:
         self.m_append_failures = Counter("blendmatch_kafka_append_failures",
                                          "appends answered 503 (broker unreachable or no acknowledgement in time)",
                                          ["kind"], registry=r)
-        self.m_reaper = Gauge("blendmatch_kafka_reaper_role", "1 while this replica holds the reaper role",
-                              registry=r)
+        self.reaper = ReaperMembership(self.bootstrap, self.reaper_group, self.reaper_topic, self.replica_id,
+                                       int(config.kafka_session_timeout_ms), r)
 
     # ------------------------------------------------------------------ checkpoint section
     def snapshot(self) -> dict[str, Any]:
@@ -173,7 +169,8 @@ class KafkaSource:
     def start(self) -> None:
         self._threads.append(self.producer.start(self._guard))
         for target, name in ((self._consume_loop, "blendmatch-kafka"),
-                             (self._reaper_loop, "blendmatch-kafka-reaper")):
+                             (lambda: self.reaper.run(self._stop, self._restored, self._retry),
+                              "blendmatch-kafka-reaper")):
             t = threading.Thread(target=self._guard(target), name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -391,7 +388,7 @@ class KafkaSource:
             split = runs.get()
             if split is None:
                 return
-            self._apply(self._decode(split))
+            self._apply(decode_run(split))
 
     def _fetch_loop(self, consumer: Consumer, runs: queue.Queue, applier: threading.Thread) -> None:
         last_commit = last_md = time.monotonic()
@@ -399,7 +396,7 @@ class KafkaSource:
         while not self._stop.is_set():
             msgs = consumer.consume(_CONSUME_MAX, 0.05)
             if msgs:
-                split = self._split(msgs)
+                split = split_run(msgs)
                 while not self._stop.is_set():
                     if not applier.is_alive():
                         raise RuntimeError(f"the apply thread stopped: {self.error}")
@@ -444,26 +441,17 @@ class KafkaSource:
     def _check_positions(self) -> None:
         """Fetch thread, every round: a high watermark below a position, or a record below
         one (log_health.py)."""
-        if self._rewound is not None:
-            p, o, at = self._rewound
-            self._reset("rewound", f"partition {p} delivered offset {o} below this replica's position {at}")
-        for p in self._partitions:
-            why = reset_reason(p, self._next.get(p, 0), self._high.get(p))
-            if why is not None:
-                self._reset("high_watermark", why)
+        found = position_reset(self._partitions, self._next, self._high, self._rewound)
+        if found is not None:
+            self._reset(*found)
 
     def _check_topic(self, partitions: Optional[list[int]]) -> None:
         """Fetch thread, with each metadata refresh: the topic deleted, recreated (its id
         changed) or with fewer partitions. Raises KafkaException on a broker error."""
-        if partitions is None:
-            self._reset("topic_missing", f"topic {self.topic} no longer exists on the broker")
-        if not partitions:
-            return  # the broker reports an error for it: known at the next refresh
-        lost = [p for p in self._partitions if p not in partitions]
-        if lost:
-            self._reset("partitions", f"topic {self.topic} has partitions {partitions}, this replica followed "
-                                      f"{self._partitions}")
-        if not self._topic_ids:
+        found = topic_reset(self.topic, partitions, self._partitions)
+        if found is not None:
+            self._reset(*found)
+        if not partitions or not self._topic_ids:
             return
         try:
             desc = self._admin.describe_topics(TopicCollection([self.topic]))[self.topic].result(10)
@@ -477,12 +465,10 @@ class KafkaSource:
                 return
             raise
         tid = str(desc.topic_id) if desc.topic_id is not None else None
-        if tid is None:
-            return
-        if self._topic_id is None:
-            self._topic_id = tid
-        elif tid != self._topic_id:
-            self._reset("topic_recreated", f"topic {self.topic} was recreated (id {tid}, was {self._topic_id})")
+        found = topic_reset(self.topic, partitions, self._partitions, tid, self._topic_id)
+        if found is not None:
+            self._reset(*found)
+        self._topic_id = self._topic_id or tid
 
     def _update_lag(self, consumer: Consumer) -> None:
         for p in self._partitions:
@@ -513,40 +499,6 @@ class KafkaSource:
             self._committed_next.update({tp.partition: tp.offset for tp in todo})
         except KafkaException as exc:
             log.warning("offset commit failed (the checkpoint stays the resume point): %s", exc)
-
-    @staticmethod
-    def _split(msgs: list) -> list[tuple[Any, str, Any]]:
-        """The fetch thread's share of decoding: ``(message, kind, what)`` with kind
-        ``fetch_error`` (the error), ``control`` or ``event`` (its token arrays, split out of
-        the JSON without the GIL by ``wire.split_event_body``)."""
-        out: list[tuple[Any, str, Any]] = []
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                out.append((m, "fetch_error", err))
-            elif is_control(m.headers()):
-                out.append((m, "control", None))
-            else:
-                out.append((m, "event", split_event_body(m.value() or b"")))
-        return out
-
-    @staticmethod
-    def _decode(split: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
-        """The rest of decoding, on the apply thread before it takes the lock: each event
-        becomes its EventRequest, or ``skip`` with ``(reason, detail)``. The parser is
-        ``POST /events``'s."""
-        out: list[tuple[Any, str, Any]] = []
-        for m, kind, what in split:
-            if kind != "event":
-                out.append((m, kind, what))
-                continue
-            try:
-                out.append((m, "event", parse_event_body(m.value() or b"", arrays=what)))
-            except EventValidationError as exc:  # nothing of the record applied
-                out.append((m, "skip", ("invalid", str(exc))))
-            except ValueError as exc:  # not JSON
-                out.append((m, "skip", ("undecodable", str(exc))))
-        return out
 
     def _apply(self, decoded: list[tuple[Any, str, Any]]) -> None:
         """Apply a decoded run in log order, under one directory-lock hold: consecutive event
@@ -706,44 +658,10 @@ class KafkaSource:
         return True
 
     # ------------------------------------------------------------------ reaper role
-    def _reaper_loop(self) -> None:
-        timeout_ms = int(self.config.kafka_session_timeout_ms)
-        while not self._restored() and not self._stop.is_set():
-            time.sleep(0.02)
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.reaper_group,
-                             "client.id": f"blendmatch-reaper-{self.replica_id}", "group.protocol": "classic",
-                             "session.timeout.ms": timeout_ms, "heartbeat.interval.ms": max(100, timeout_ms // 4),
-                             "enable.auto.commit": False, "auto.offset.reset": "latest"})
-
-        def on_assign(c: Any, parts: list) -> None:
-            self._set_role(any(tp.partition == 0 for tp in parts))
-
-        def on_revoke(c: Any, parts: list) -> None:
-            self._set_role(False)
-
-        while not self._stop.is_set():  # the topic may be created by the consumer thread
-            md = self._retry("reaper metadata", lambda: consumer.list_topics(timeout=5))
-            if md is not None and self.reaper_topic in md.topics:
-                break
-            self._stop.wait(0.2)
-        consumer.subscribe([self.reaper_topic], on_assign=on_assign, on_revoke=on_revoke, on_lost=on_revoke)
-        try:
-            while not self._stop.is_set():
-                consumer.poll(0.1)
-        finally:
-            self._set_role(False)
-            consumer.close()  # leaves the group: the role moves at once
-
-    def _set_role(self, holds: bool) -> None:
-        if holds != self.holds_reaper_role:
-            log.info("replica %s %s the reaper role", self.replica_id, "takes" if holds else "gives up")
-        self.holds_reaper_role = holds
-        self.m_reaper.set(1 if holds else 0)
-
     async def reap_once(self) -> list[str]:
         """The reaper sweep in Kafka mode: only the role holder acts, and only by appending
         expiry fences (every replica, this one included, applies them from the log)."""
-        if not self.holds_reaper_role:
+        if not self.reaper.holds:
             return []
         fenced = []
         for iid, _last in self._registry.stale(time.time()):
@@ -770,7 +688,7 @@ class KafkaSource:
                 "position": {str(p): self._next.get(p, 0) for p in self._partitions},
                 "lag": {str(p): self._lag.get(p) for p in self._partitions}, "records_applied": self.records_applied,
                 "entries_applied": self.entries_applied, "records_skipped": self.records_skipped,
-                "reaper_role": self.holds_reaper_role, "error": self.error,
+                "reaper_role": self.reaper.holds, "error": self.error,
                 "broker_unreachable_s": self.health.unreachable_s(), "reconnects": self.health.reconnects,
                 "log_resets": self.health.resets, "log_reset": self.health.reset, "topic_id": self._topic_id}
 

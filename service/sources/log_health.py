@@ -14,7 +14,7 @@ out of rotation (not ready) or restarted (not live)?" The rules, one place each:
   outage would turn stale-by-seconds into an outage) and ``/readyz`` carries a warning.
 - **Log reset** (the broker lost records this replica applied: a high watermark below the
   position, a record below the position, a recreated topic, fewer partitions):
-  :func:`reset_reason` says so; never skipped silently. Counted
+  :func:`position_reset` and :func:`topic_reset` say so; never skipped silently. Counted
   (``blendmatch_kafka_log_resets_total{reason}``), logged at ERROR, and with
   ``--on-log-reset fail`` the replica is neither ready nor live until an operator acts;
   with ``resync`` it is not ready until it rebuilt its state from the new log's start.
@@ -34,7 +34,7 @@ from typing import Optional
 
 from prometheus_client import Counter, Gauge
 
-__all__ = ["LogHealth", "backoff", "reset_reason"]
+__all__ = ["LogHealth", "backoff", "position_reset", "topic_reset"]
 
 log = logging.getLogger("blendmatch.service.kafka")
 
@@ -47,13 +47,35 @@ def backoff(failures: int) -> float:
     return min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * (2 ** max(0, failures - 1)))
 
 
-def reset_reason(partition: int, position: int, high: Optional[int]) -> Optional[str]:
-    """Why partition ``partition`` of the log lost records this replica applied (its high
-    watermark ``high`` is below ``position``, the next offset to apply), or None. ``high``
-    None or negative: not known yet."""
-    if high is None or high < 0 or high >= position:
-        return None
-    return f"partition {partition} ends at offset {high}, below this replica's position {position}"
+def position_reset(partitions: list[int], positions: dict[int, int], highs: dict[int, int],
+                   rewound: Optional[tuple[int, int, int]]) -> Optional[tuple[str, str]]:
+    """``(kind, reason)`` when the log lost records this replica applied, judged by
+    positions: a record delivered below a position (``rewound``: partition, offset,
+    position), or a partition whose high watermark (``highs``, as last fetched) is below the
+    next offset to apply (``positions``). None otherwise."""
+    if rewound is not None:
+        p, o, at = rewound
+        return "rewound", f"partition {p} delivered offset {o} below this replica's position {at}"
+    for p in partitions:
+        high, at = highs.get(p), positions.get(p, 0)
+        if high is not None and 0 <= high < at:
+            return "high_watermark", f"partition {p} ends at offset {high}, below this replica's position {at}"
+    return None
+
+
+def topic_reset(topic: str, partitions: Optional[list[int]], followed: list[int], topic_id: Optional[str] = None,
+                known_id: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """``(kind, reason)`` when the topic itself changed under the replica: gone
+    (``partitions`` None), fewer partitions than ``followed`` (Kafka only ever adds them),
+    or another topic id than ``known_id`` (recreated). ``[]`` partitions (the broker reports
+    an error for the topic) and unknown ids decide nothing."""
+    if partitions is None:
+        return "topic_missing", f"topic {topic} no longer exists on the broker"
+    if partitions and any(p not in partitions for p in followed):
+        return "partitions", f"topic {topic} has partitions {partitions}, this replica followed {followed}"
+    if topic_id is not None and known_id is not None and topic_id != known_id:
+        return "topic_recreated", f"topic {topic} was recreated (id {topic_id}, was {known_id})"
+    return None
 
 
 class LogHealth:
