@@ -311,3 +311,22 @@ def test_max_instances_bounds_appends_as_in_http_mode(broker, tmp_path):
         assert got.status_code == 200 and got.json()["re_registered"]
     finally:
         r.stop()
+
+
+# ---------------------------------------------------------------------- the rules alone
+def test_log_reset_rules_at_their_edges():
+    from blendmatch.service.sources.log_health import backoff, position_reset, topic_reset
+
+    # a high watermark equal to the position is the normal caught-up case; unknown (-1001) decides nothing
+    assert position_reset([0, 1], {0: 30, 1: 5}, {0: 30, 1: -1001}, None) is None
+    assert position_reset([0], {0: 0}, {}, None) is None
+    assert position_reset([0, 1], {0: 30, 1: 5}, {0: 30, 1: 4}, None) == (
+        "high_watermark", "partition 1 ends at offset 4, below this replica's position 5")
+    assert position_reset([0], {0: 30}, {0: 50}, (0, 3, 30))[0] == "rewound"
+    assert topic_reset("t", None, [0])[0] == "topic_missing"
+    assert topic_reset("t", [], [0, 1]) is None  # the broker reports an error for it: not a verdict
+    assert topic_reset("t", [0], [0, 1])[0] == "partitions"
+    assert topic_reset("t", [0, 1, 2], [0, 1]) is None  # partitions added: followed, not a reset
+    assert topic_reset("t", [0], [0], "B", "A")[0] == "topic_recreated"
+    assert topic_reset("t", [0], [0], "A", None) is None and topic_reset("t", [0], [0], None, "A") is None
+    assert [backoff(n) for n in (1, 2, 3, 5, 6, 50)] == [0.5, 1.0, 2.0, 8.0, 10.0, 10.0]
