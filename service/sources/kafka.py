@@ -433,9 +433,7 @@ class KafkaSource:
 
     def _reset(self, kind: str, reason: str) -> None:
         """A log reset: counted, remembered for the probes, and the fetch loop stops."""
-        self.health.reset = reason
-        self.health.resets += 1
-        self.health.m_resets.labels(kind).inc()
+        self.health.log_reset(kind, reason)
         raise _LogReset(reason)
 
     def _check_positions(self) -> None:

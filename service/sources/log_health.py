@@ -135,6 +135,14 @@ class LogHealth:
         since = self.down_since
         return None if since is None else time.monotonic() - since
 
+    # ------------------------------------------------------------------ log resets
+    def log_reset(self, kind: str, reason: str) -> None:
+        """A reset detected (``kind``: the rule that saw it): counted and remembered until
+        a resync completes (``progress``) or, with ``fail``, for the process's life."""
+        self.reset = reason
+        self.resets += 1
+        self.m_resets.labels(kind).inc()
+
     # ------------------------------------------------------------------ verdicts
     def reasons(self, positions: dict[int, int]) -> list[str]:
         """Why the replica is not ready (empty: the log says nothing against it)."""
