@@ -230,10 +230,10 @@ class KafkaSource:
 
     def stop(self) -> None:
         self._stop.set()
+        self.producer.stop()  # its own stop: its thread, then what it still holds is flushed
         for t in self._threads:
             t.join(timeout=15)
         self._threads = []
-        self.producer.stop()
 
     # ------------------------------------------------------------------ consuming
     def _ensure_topics(self) -> None:
