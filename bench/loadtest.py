@@ -1,41 +1,41 @@
-"""``blendmatch loadtest``: drive a server over loopback and report what it sustains.
+"""blendmatch loadtest: drive a server over loopback and report what it sustains.
 
-What one run does (``blendmatch loadtest --spawn --compare``, the default):
+What one run does (blendmatch loadtest --spawn --compare, the default):
 
-1. for each server configuration, *batching* (the default ``--max-batch-tokens``) and
-   *no batching* (``--max-batch-tokens`` equal to one request's tokens), start
-   ``blendmatch serve`` as a subprocess on ``127.0.0.1`` (a free port);
-2. fill it with ``--chunks`` stored chunks through ``POST /events`` (STORE batches);
-3. measure, each phase ``--duration`` seconds with ``--clients`` concurrent closed-loop
+1. for each server configuration, "batching" (the default --max-batch-tokens) and
+   "no batching" (--max-batch-tokens equal to one request's tokens), start
+   blendmatch serve as a subprocess on 127.0.0.1 (a free port);
+2. fill it with --chunks stored chunks through POST /events (STORE batches);
+3. measure, each phase --duration seconds with --clients concurrent closed-loop
    clients on keep-alive connections:
-   - ``healthz``: ``GET /healthz``, the ceiling of this load generator plus the HTTP stack
+   - healthz: GET /healthz, the ceiling of this load generator plus the HTTP stack
      (only for the first configuration: it does not depend on batching);
-   - ``lookup``: ``POST /directory/blend-lookup`` with ``--tokens``-token queries
-     (``tokens_b64``), each containing ``--matches-per-query`` stored chunks;
-   - ``lookup+events``: the same while one more client streams STORE events at
-     ``--event-rate`` entries per second (``--event-batch`` entries per request);
+   - lookup: POST /directory/blend-lookup with --tokens-token queries
+     (tokens_b64), each containing --matches-per-query stored chunks;
+   - lookup+events: the same while one more client streams STORE events at
+     --event-rate entries per second (--event-batch entries per request);
 4. print one table: requests/s, tokens/s, p50/p99 latency, errors, and the mean batch the
-   server formed in that phase (from ``GET /directory/stats`` before and after).
+   server formed in that phase (from GET /directory/stats before and after).
 
-With ``--url http://127.0.0.1:PORT`` it measures a server you started instead (no
-comparison; it fills only with ``--fill``). Only loopback addresses are accepted, and every
-phase is bounded in time (``--duration``) and in count (``--max-requests``).
+With --url http://127.0.0.1:PORT it measures a server you started instead (no
+comparison; it fills only with --fill). Only loopback addresses are accepted, and every
+phase is bounded in time (--duration) and in count (--max-requests).
 
-Load generators (``--generator``, default ``auto``): **wrk** when it is installed (``apt-get
-install wrk``; a generated Lua script sends one pre-built body per request, rotating
-through ``--pool`` queries, and prints p50/p99/p99.9 from wrk's own histogram), because on
+Load generators (--generator, default auto): wrk when it is installed (apt-get
+install wrk; a generated Lua script sends one pre-built body per request, rotating
+through a pool of 64 queries, and prints p50/p99/p99.9 from wrk's own histogram), because on
 a 2-core machine a Python generator costs about as much CPU per request as the server and
-measures itself; otherwise the **python** client: raw asyncio sockets (HTTP/1.1
+measures itself; otherwise the python client: raw asyncio sockets (HTTP/1.1
 keep-alive, pre-encoded requests, uvloop when available), not httpx, which costs several
 times more. Every table row says which generator ran. wrk cannot check answers, so with
 wrk each query is checked once in the warm-up (it must return its stored chunks) and
-only the status is counted during the phase. The ``healthz`` row shows what the
-generator itself can reach. The event stream (``lookup+events``) is always the Python
+only the status is counted during the phase. The healthz row shows what the
+generator itself can reach. The event stream (lookup+events) is always the Python
 client, paced by the clock, running beside wrk.
 
 Also reported per phase: the server's CPU seconds per request (from
-``/proc/<pid>/stat`` of a spawned server: robust to other load on the machine) and the
-histogram of engine batch sizes the server formed (from ``/metrics``).
+/proc/<pid>/stat of a spawned server: robust to other load on the machine) and the
+histogram of engine batch sizes the server formed (from /metrics).
 """
 
 from __future__ import annotations

@@ -350,10 +350,6 @@ class AccessPolicy:
                 f"allowlist entries; grants per role {json.dumps(dict(sorted(roles.items())))}; loopback has "
                 f"only what the file grants")
 
-    def peer_grants(self, host: Any) -> tuple[Grant, ...]:
-        """What the peer address alone grants (cached per address)."""
-        return self.peer_access(host)[0]
-
     def peer_access(self, host: Any) -> tuple[tuple[Grant, ...], frozenset[str]]:
         """``(grants, union of their roles)`` of a peer address; computed once per address."""
         key = host if isinstance(host, str) else ""

@@ -126,7 +126,7 @@ class ServiceContext:
     def __init__(self, config: ServiceConfig, directory: KeyDirectory | None = None) -> None:
         self.config = config
         self.directory = directory if directory is not None else build_directory(config)
-        self.metrics = ServiceMetrics(snapshot=self.snapshot)
+        self.metrics = ServiceMetrics(gauge_values=self.gauge_values)
         #: The fleet's token hasher (``--hash-algorithm``; vLLM's functions seed NONE_HASH
         #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
         self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
@@ -435,7 +435,7 @@ class ServiceContext:
         """Run a read that takes the directory lock off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    def snapshot(self) -> dict[str, Any]:
+    def gauge_values(self) -> dict[str, Any]:
         """Flat counts for the scrape-time gauges (takes the directory lock briefly)."""
         stats = self.directory.stats()
         blend = stats.get("blend_index") or {}

@@ -107,7 +107,7 @@ def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: st
     """The response for a :class:`ServiceError` (also used by the fast path)."""
     if exc.status_code == 503:
         log.warning("%s: %s", log_safe(where), log_safe(exc.detail, 500))
-    elif exc.status_code >= 500 and exc.status_code != 501:  # 501: a valid request we do not serve
+    elif exc.status_code >= 500:
         metrics.internal_errors.inc()
         log.error("%s failed: %s", log_safe(where), log_safe(exc.detail, 500))
     else:
