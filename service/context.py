@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -37,7 +36,6 @@ import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
-from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.token_hasher import TokenHasher, vllm_none_hash_seed
 from blendmatch.index.tokens import (TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count,
@@ -48,6 +46,7 @@ from .batcher import MicroBatcher
 from .config import ServiceConfig
 from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
+from .event_source import EventSource, build_event_source
 from .metrics import ServiceMetrics
 from .upstream import Upstream
 
@@ -164,6 +163,9 @@ class ServiceContext:
                                              fatal=lambda: self.fatal, note_ingested=self.note_ingested)
             self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
             self.durability.lag = self.source.lag
+        #: Where ``POST /events`` and the registry calls go (``event_source.py``): the routes'
+        #: one seam, whatever the transport.
+        self.events: EventSource = build_event_source(self, self.source)
         #: The vLLM KV-events publisher (``--kv-events-endpoint``, issue 25), or None.
         self.kv_events: Any = None
         if config.kv_events_endpoint:
@@ -387,16 +389,7 @@ class ServiceContext:
         LMCache; ``DELETE /instances/{id}`` forgets it). Logged and counted. In Kafka mode
         only the replica holding the reaper role acts, by appending expiry fences that every
         replica applies (``sources/kafka.py``)."""
-        if self.source is not None:
-            return await self.source.reap_once()
-        expired = self.registry.expire()
-        for instance_id in expired:
-            result = await self.run_event_task(functools.partial(self.directory.drop_instance, instance_id,
-                                                                   forget_capacity=False))
-            self.metrics.instance_events.labels("expired").inc()
-            log.warning("expired instance %s: fenced %d L1 placements (%d keys dropped)", log_safe(instance_id),
-                        result.placements, result.keys)
-        return expired
+        return await self.events.reap_once()
 
     async def _reap_forever(self) -> None:
         """The reaper task (started in the lifespan when ``health_check_interval > 0``). A
