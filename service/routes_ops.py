@@ -8,6 +8,7 @@ import json
 from fastapi import APIRouter, Response
 
 from .context import Ctx
+from .http_rules import HEALTHZ_BODY
 from .metrics import CONTENT_TYPE
 from .schemas import HealthResponse
 
@@ -19,7 +20,7 @@ router = APIRouter(tags=["operations"])
 @router.get("/healthz", response_model=HealthResponse)
 async def healthz() -> Response:
     """Liveness: ``{"status": "healthy"}`` while the process serves HTTP."""
-    return Response(b'{"status":"healthy"}', media_type="application/json")
+    return Response(HEALTHZ_BODY, media_type="application/json")
 
 
 @router.get("/metrics", response_class=Response,
