@@ -146,14 +146,9 @@ class ServiceContext:
         self._reaper: asyncio.Task[None] | None = None
         self._events_executor: ThreadPoolExecutor | None = None
         self._serving = not config.refuse_lookups_until_ready
-        self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
-                                     require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
-                                     directory=lambda: self.directory, registry=self.metrics.registry)
-        # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
-        # goes into the checkpoint as its own section (declared capacities travel with the
-        # directory section).
-        self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
-        #: The Kafka event source (``--event-transport kafka``), or None for HTTP push.
+        #: The Kafka event source (``--event-transport kafka``), or None for HTTP push. Built
+        #: before ``durability``, which reads its lag; it reads ``durability.restored`` (and
+        #: ``fatal``) only once its threads run, after ``start``.
         self.source: Any = None
         if config.event_transport == "kafka":
             from .sources import build_kafka_source
@@ -161,8 +156,16 @@ class ServiceContext:
             self.source = build_kafka_source(config, directory=lambda: self.directory, registry=self.registry,
                                              metrics=self.metrics, restored=lambda: self.durability.restored,
                                              fatal=lambda: self.fatal, note_ingested=self.note_ingested)
+        self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
+                                     require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
+                                     directory=self.directory, registry=self.metrics.registry,
+                                     lag=None if self.source is None else self.source.lag)
+        # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
+        # goes into the checkpoint as its own section (declared capacities travel with the
+        # directory section).
+        self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
+        if self.source is not None:
             self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
-            self.durability.lag = self.source.lag
         #: Where ``POST /events`` and the registry calls go (``event_source.py``): the routes'
         #: one seam, whatever the transport.
         self.events: EventSource = build_event_source(self, self.source)
