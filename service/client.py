@@ -343,9 +343,6 @@ class BlendClient:
         declared capacity are dropped and its private L1 placements fenced)."""
         self._call("DELETE", f"/instances/{quote(instance_id, safe='')}")
 
-    #: The former name (it deregisters, which also fences); kept for existing callers.
-    fence_instance = deregister_instance
-
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/directory/stats")
 
@@ -473,9 +470,6 @@ class AsyncBlendClient:
     async def deregister_instance(self, instance_id: str) -> None:
         """``DELETE /instances/{id}`` (see :meth:`BlendClient.deregister_instance`)."""
         await self._request("DELETE", f"/instances/{quote(instance_id, safe='')}")
-
-    #: The former name (it deregisters, which also fences); kept for existing callers.
-    fence_instance = deregister_instance
 
     async def stats(self) -> dict[str, Any]:
         return (await self._request("GET", "/directory/stats")).json()

@@ -115,7 +115,6 @@ def test_sync_client_with_a_mock_transport():
             client.post_events({"batches": []})
         client.deregister_instance("a/b c")
         assert seen[-1][:2] == ("DELETE", "/instances/a%2Fb%20c") or seen[-1][1] == "/instances/a/b c"
-        assert BlendClient.fence_instance is BlendClient.deregister_instance  # the former name still works
 
 
 def test_sync_client_connection_error():
