@@ -214,13 +214,6 @@ class KeyDirectory:
         with self._lock:
             return self._store.token_ids(chunk_hashes)
 
-    def get_token_offset(self, chunk_hash: bytes) -> Optional[int]:
-        """The binding's token offset (-1 unknown), or None for an unknown chunk hash (the
-        directory model test compares it with its naive model)."""
-        with self._lock:
-            b = self._store.bindings.get(chunk_hash)
-            return None if b is None else b.offset
-
     @property
     def _l1_chunks(self) -> dict[str, set[bytes]]:
         """Per instance, the chunk hashes with its private L1 copy (the directory model test

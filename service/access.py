@@ -84,6 +84,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blendmatch.index.logsafe import log_safe
 
+from .http_rules import json_body, send_json
+
 import tomllib
 
 __all__ = [
@@ -350,10 +352,6 @@ class AccessPolicy:
                 f"allowlist entries; grants per role {json.dumps(dict(sorted(roles.items())))}; loopback has "
                 f"only what the file grants")
 
-    def peer_grants(self, host: Any) -> tuple[Grant, ...]:
-        """What the peer address alone grants (cached per address)."""
-        return self.peer_access(host)[0]
-
     def peer_access(self, host: Any) -> tuple[tuple[Grant, ...], frozenset[str]]:
         """``(grants, union of their roles)`` of a peer address; computed once per address."""
         key = host if isinstance(host, str) else ""
@@ -525,11 +523,7 @@ class AccessControl:
                      headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         if self._on_reject is not None:
             self._on_reject(status)
-        body = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, json_body({"detail": detail}), headers)
 
 
 def _bearer(scope: Scope) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import blendmatch
 from blendmatch.index.wire import INT64_MAX
@@ -72,8 +72,11 @@ class _BlendApp(FastAPI):
         entry = self._entry
         if entry is None:
             context: ServiceContext = self.state.blendmatch_context
-            fast = FastPath(super().__call__, context=context, limit=int(context.config.max_body_bytes))
-            entry = self._entry = AccessControl(fast, self.state.blendmatch_access,
+            inner: ASGIApp = super().__call__
+            if self.state.blendmatch_fast_path:
+                inner = FastPath(inner, context=context, limit=int(context.config.max_body_bytes),
+                                 json_paths=frozenset(JSON_BODY_PATHS))
+            entry = self._entry = AccessControl(inner, self.state.blendmatch_access,
                                                 on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
         return entry
 
@@ -85,10 +88,12 @@ class _BlendApp(FastAPI):
 
 
 def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory | None = None,
-               access: AccessPolicy | None = None) -> FastAPI:
+               access: AccessPolicy | None = None, fast_path: bool = True) -> FastAPI:
     """A ready-to-serve app. ``directory``: use this one (tests) instead of building one.
     ``access``: this policy instead of the one ``config.access_file`` names (protected mode when
-    it names none); a bad access file raises ``AccessFileError`` here, before serving."""
+    it names none); a bad access file raises ``AccessFileError`` here, before serving.
+    ``fast_path=False``: every request through the FastAPI stack (the test that holds the
+    fast path to the routes' answers, byte for byte; never slower to be wrong, only slower)."""
     config = config or ServiceConfig()
     if access is None:
         access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
@@ -106,6 +111,7 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
                     lifespan=lifespan)
     app.state.blendmatch_context = context
     app.state.blendmatch_access = access
+    app.state.blendmatch_fast_path = fast_path
     install_error_handlers(app, context.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=int(config.max_body_bytes),
                        on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc(),

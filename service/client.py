@@ -338,7 +338,9 @@ class BlendClient:
         """Send event batches (or a whole ``{"batches": ...}`` body); ``{applied, duplicates, stale}``."""
         return self._call("POST", "/events", _events_body(batches))
 
-    def fence_instance(self, instance_id: str) -> None:
+    def deregister_instance(self, instance_id: str) -> None:
+        """``DELETE /instances/{id}``: the instance left (its registration, event cursor and
+        declared capacity are dropped and its private L1 placements fenced)."""
         self._call("DELETE", f"/instances/{quote(instance_id, safe='')}")
 
     def stats(self) -> dict[str, Any]:
@@ -465,7 +467,8 @@ class AsyncBlendClient:
     async def post_events(self, batches: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, int]:
         return (await self._request("POST", "/events", json=_events_body(batches))).json()
 
-    async def fence_instance(self, instance_id: str) -> None:
+    async def deregister_instance(self, instance_id: str) -> None:
+        """``DELETE /instances/{id}`` (see :meth:`BlendClient.deregister_instance`)."""
         await self._request("DELETE", f"/instances/{quote(instance_id, safe='')}")
 
     async def stats(self) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -37,7 +36,6 @@ import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
-from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.token_hasher import TokenHasher, vllm_none_hash_seed
 from blendmatch.index.tokens import (TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count,
@@ -48,6 +46,7 @@ from .batcher import MicroBatcher
 from .config import ServiceConfig
 from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
+from .event_source import EventSource, build_event_source
 from .metrics import ServiceMetrics
 from .upstream import Upstream
 
@@ -126,7 +125,7 @@ class ServiceContext:
     def __init__(self, config: ServiceConfig, directory: KeyDirectory | None = None) -> None:
         self.config = config
         self.directory = directory if directory is not None else build_directory(config)
-        self.metrics = ServiceMetrics(snapshot=self.snapshot)
+        self.metrics = ServiceMetrics(gauge_values=self.gauge_values)
         #: The fleet's token hasher (``--hash-algorithm``; vLLM's functions seed NONE_HASH
         #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
         self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
@@ -147,14 +146,9 @@ class ServiceContext:
         self._reaper: asyncio.Task[None] | None = None
         self._events_executor: ThreadPoolExecutor | None = None
         self._serving = not config.refuse_lookups_until_ready
-        self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
-                                     require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
-                                     directory=lambda: self.directory, registry=self.metrics.registry)
-        # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
-        # goes into the checkpoint as its own section (declared capacities travel with the
-        # directory section).
-        self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
-        #: The Kafka event source (``--event-transport kafka``), or None for HTTP push.
+        #: The Kafka event source (``--event-transport kafka``), or None for HTTP push. Built
+        #: before ``durability``, which reads its lag; it reads ``durability.restored`` (and
+        #: ``fatal``) only once its threads run, after ``start``.
         self.source: Any = None
         if config.event_transport == "kafka":
             from .sources import build_kafka_source
@@ -162,8 +156,19 @@ class ServiceContext:
             self.source = build_kafka_source(config, directory=lambda: self.directory, registry=self.registry,
                                              metrics=self.metrics, restored=lambda: self.durability.restored,
                                              fatal=lambda: self.fatal, note_ingested=self.note_ingested)
+        self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
+                                     require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
+                                     directory=self.directory, registry=self.metrics.registry,
+                                     lag=None if self.source is None else self.source.lag)
+        # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
+        # goes into the checkpoint as its own section (declared capacities travel with the
+        # directory section).
+        self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
+        if self.source is not None:
             self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
-            self.durability.lag = self.source.lag
+        #: Where ``POST /events`` and the registry calls go (``event_source.py``): the routes'
+        #: one seam, whatever the transport.
+        self.events: EventSource = build_event_source(self, self.source)
         #: The vLLM KV-events publisher (``--kv-events-endpoint``, issue 25), or None.
         self.kv_events: Any = None
         if config.kv_events_endpoint:
@@ -387,16 +392,7 @@ class ServiceContext:
         LMCache; ``DELETE /instances/{id}`` forgets it). Logged and counted. In Kafka mode
         only the replica holding the reaper role acts, by appending expiry fences that every
         replica applies (``sources/kafka.py``)."""
-        if self.source is not None:
-            return await self.source.reap_once()
-        expired = self.registry.expire()
-        for instance_id in expired:
-            result = await self.run_event_task(functools.partial(self.directory.drop_instance, instance_id,
-                                                                   forget_capacity=False))
-            self.metrics.instance_events.labels("expired").inc()
-            log.warning("expired instance %s: fenced %d L1 placements (%d keys dropped)", log_safe(instance_id),
-                        result.placements, result.keys)
-        return expired
+        return await self.events.reap_once()
 
     async def _reap_forever(self) -> None:
         """The reaper task (started in the lifespan when ``health_check_interval > 0``). A
@@ -435,7 +431,7 @@ class ServiceContext:
         """Run a read that takes the directory lock off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    def snapshot(self) -> dict[str, Any]:
+    def gauge_values(self) -> dict[str, Any]:
         """Flat counts for the scrape-time gauges (takes the directory lock briefly)."""
         stats = self.directory.stats()
         blend = stats.get("blend_index") or {}

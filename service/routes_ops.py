@@ -8,6 +8,7 @@ import json
 from fastapi import APIRouter, Response
 
 from .context import Ctx
+from .http_rules import HEALTHZ_BODY
 from .metrics import CONTENT_TYPE
 from .schemas import HealthResponse
 
@@ -19,7 +20,7 @@ router = APIRouter(tags=["operations"])
 @router.get("/healthz", response_model=HealthResponse)
 async def healthz() -> Response:
     """Liveness: ``{"status": "healthy"}`` while the process serves HTTP."""
-    return Response(b'{"status":"healthy"}', media_type="application/json")
+    return Response(HEALTHZ_BODY, media_type="application/json")
 
 
 @router.get("/metrics", response_class=Response,
@@ -55,8 +56,8 @@ async def readyz(ctx: Ctx) -> Response:
 async def admin_checkpoint(ctx: Ctx) -> Response:
     """Take a checkpoint now (blocks until the file is renamed into place) and say what was
     written: path, bytes, seconds, the ingest pause, counts. 409 when ``--checkpoint-path``
-    is empty or the start-up restore has not finished. (Admin role once access control
-    lands; until then, like every route, it is served as configured.)"""
+    is empty or the start-up restore has not finished. Needs the ``admin`` role
+    (``access.py``'s route table)."""
     dur = ctx.durability
     if not dur.enabled or not dur.restored:
         reason = "checkpoints are off (--checkpoint-path is empty)" if not dur.enabled else "restore in progress"

@@ -160,9 +160,8 @@ class DirectoryLookupRequest(BaseModel):
 
     Validation is LMCache's: both forms or neither is a 422 (an empty list counts as
     absent); ``token_ids`` without ``model_name`` is a 422; ``world_size < 1`` is a 422.
-    The route answers more than 1,000,000 token ids with a 400. The tokens form needs the
-    fleet's token hasher (prefix-chained chunk hashes), which blendmatch does not have: a
-    valid tokens-form request is answered 501, or proxied with ``--upstream-coordinator``.
+    The route answers more than 1,000,000 token ids with a 400; it hashes the tokens
+    form's full chunks with the fleet's ``--hash-algorithm`` into keys.
     """
 
     # The one-form rule in the schema too (schemathesis checks the schema against the
