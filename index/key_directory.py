@@ -208,6 +208,24 @@ class KeyDirectory:
                 out.extend(group)
         return out
 
+    def namespace_placements(self, chunk_hashes: Iterable[bytes], namespace: BlendNamespace
+                             ) -> list[tuple[Placement, ...]]:
+        """Per chunk hash, the placements of its keys stored for ``namespace`` (every rank
+        and object group of that namespace, each copy as stored; empty for an unknown chunk
+        hash or one this namespace holds no key of): where the chunk a blend match offered
+        lives (issue 26; ranking and liveness: ``placement_rank.py``). One hold of the lock."""
+        out: list[tuple[Placement, ...]] = []
+        with self._lock:
+            bindings = self._store.bindings
+            for h in chunk_hashes:
+                b = bindings.get(h)
+                if b is None:
+                    out.append(())
+                    continue
+                pls = [p for scope, placements in b.members if scope.namespace == namespace for p in placements]
+                out.append(tuple(pls))
+        return out
+
     def get_token_ids(self, chunk_hashes: Iterable[bytes]) -> list[Optional[np.ndarray]]:
         """The content bound to each chunk hash (uint32 copies the caller owns), or None
         when the chunk hash is unknown or no STORE carried its tokens yet."""

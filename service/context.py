@@ -57,8 +57,10 @@ log = logging.getLogger("blendmatch.service")
 
 #: One lookup as the batcher carries it: (uint32 tokens, or a ``tokens_b64`` string, or that
 #: string's ASCII bytes as the fast path takes them out of the body, which the lookup thread
-#: decodes with the rest of its batch; namespace).
-LookupQuery = tuple["np.ndarray | str | bytes | memoryview", BlendNamespace]
+#: decodes with the rest of its batch; namespace), optionally followed by a finisher: a
+#: callable ``(matches, tokens) -> bytes`` answering in place of ``encode_matches``
+#: (``routing.py``: placements, the routing score).
+LookupQuery = tuple[Any, ...]
 
 T = TypeVar("T")
 
@@ -348,8 +350,15 @@ class ServiceContext:
         ready = [i for i, err in enumerate(errors) if err is None]
         results, stats = index.match_flat(tokens, offsets, [queries[i][1] for i in ready])
         self.metrics.observe_match(stats)
-        for i, matches in zip(ready, results, strict=True):
-            out[i] = encode_matches(matches)
+        for k, (i, matches) in enumerate(zip(ready, results, strict=True)):
+            query = queries[i]
+            if len(query) == 2:
+                out[i] = encode_matches(matches)
+                continue
+            try:  # a finisher (service/routing.py: placements, the routing score)
+                out[i] = query[2](matches, tokens[offsets[k]:offsets[k + 1]])  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - that query's failure, not the batch's
+                out[i] = exc
         return out
 
     # ------------------------------------------------------------------ events and reads

@@ -52,11 +52,15 @@ __all__ = [
     "HealthResponse",
     "ErrorResponse",
     "MAX_BATCH_QUERIES",
+    "MAX_INSTANCE_ID_LENGTH",
+    "MatchPlacementModel",
 ]
 
 #: Most queries one ``/directory/blend-lookup/batch`` request may carry. Each query costs a
 #: future and a result object even when empty; tokens are bounded separately (413).
 MAX_BATCH_QUERIES = 65_536
+#: Longest ``requester_instance_id`` / candidate id taken (instance ids are short names).
+MAX_INSTANCE_ID_LENGTH = 1024
 #: Most keys one ``/directory/lookup`` request may resolve.
 MAX_LOOKUP_KEYS = 65_536
 
@@ -85,6 +89,14 @@ class BlendLookupRequest(BaseModel):
     model_name: str = Field(min_length=1, description="model the KV belongs to (required)")
     world_size: WholeInt = Field(default=1, ge=1, description="parallel world size of the requester")
     cache_salt: str = Field(default="", description="per-tenant isolation salt")
+    # ours (issue 26), opt-in: absent or false, the answer is LMCache's, byte for byte
+    include_placements: bool = Field(default=False, description=(
+        "ours: give each match its usable copies, ranked (the requester's own L1, other live "
+        "instances' L1, shared pools, live instances' L2); copies of instances that are not live in "
+        "the registry are left out, and a match with none is dropped (counted in "
+        "dropped_without_live_holder)"))
+    requester_instance_id: str | None = Field(default=None, max_length=MAX_INSTANCE_ID_LENGTH, description=(
+        "ours: the instance asking (its own L1 copies rank first); with include_placements"))
 
     @model_validator(mode="after")
     def _one_token_form(self) -> "BlendLookupRequest":
@@ -99,6 +111,15 @@ class BlendLookupRequest(BaseModel):
         return BlendNamespace(self.model_name, self.cache_salt, self.world_size)
 
 
+class MatchPlacementModel(BaseModel):
+    """One usable copy of a matched chunk (``include_placements``): a shared pool's copy has
+    ``instance_id ""``."""
+
+    instance_id: str
+    tier: str
+    backend: str
+
+
 class BlendMatchModel(BaseModel):
     """One match: ``chunk_hash`` (lowercase hex), ``old_st`` (stored position, the re-RoPE
     source) and ``cur_st`` (position in the query, the re-RoPE target)."""
@@ -106,13 +127,19 @@ class BlendMatchModel(BaseModel):
     chunk_hash: str
     old_st: int
     cur_st: int
+    placements: list[MatchPlacementModel] | None = Field(default=None, description=(
+        "ours, only with include_placements: usable copies, best first"))
 
 
 class BlendLookupResponse(BaseModel):
     """Matches in ascending ``cur_st``, at most one per position and one per chunk hash
-    (LMCache's per-position rule); they may overlap."""
+    (LMCache's per-position rule); they may overlap. With ``include_placements`` each match
+    has ``placements`` and the answer ``dropped_without_live_holder``."""
 
     matches: list[BlendMatchModel] = Field(default_factory=list)
+    dropped_without_live_holder: int | None = Field(default=None, description=(
+        "ours, only with include_placements: matches left out because no live instance or shared "
+        "pool holds their chunk"))
 
 
 class BlendBatchLookupRequest(BaseModel):

@@ -1,0 +1,124 @@
+"""The routing score: how many of a request's tokens each instance could serve from cache.
+
+Question answered: "which instance should serve this request?" (issue 26). KV-aware routers
+credit only the longest cached prefix per worker; a document placed after different
+instructions earns them nothing. This score credits both, per instance:
+
+- ``prefix_tokens``: ``chunk_size`` times the number of leading full chunks of the request
+  whose prefix-chained hashes (the fleet's token hasher, as LMCache's prefix lookup computes
+  them) the instance holds in L1 for the namespace; the prefix stops at the first chunk it
+  does not hold;
+- ``fragment_tokens``: the query tokens at or after that prefix covered by non-overlapping
+  blend matches (``resolve_overlaps``: leftmost first) among the matches starting at or
+  after the prefix's end whose chunk the instance holds in L1;
+- ``reusable_tokens = prefix_tokens + fragment_tokens``;
+
+and once for the request, ``shared_tokens``: tokens covered by non-overlapping matches whose
+chunk has a shared-pool copy (``placement_rank.SHARED``: any instance can fetch it).
+
+"Holds in L1" means a private L1 placement of that instance (a shared pool's L1 copy is
+shared, not anyone's L1); only live instances hold anything (``live``: the caller's view of
+the registry; a fenced instance's L1 copies are already gone from the directory, an expired
+or unknown one is not in ``live``). Every match covers exactly ``chunk_size`` tokens.
+
+Rows: one per candidate (given order, duplicates once), or by default one per live
+instance holding any copy (any tier) of this request's matched or prefix chunks; an
+instance holding none of them would score 0 everywhere. Sorted by ``reusable_tokens``
+descending, then ``instance_id``. Pure functions over their arguments (no locks, no I/O):
+the service gathers matches, placements and prefix hashes (``service/routing.py``);
+``tests/test_route_score.py`` checks them against a brute-force oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Container, Optional, Sequence
+
+from .placement_rank import is_shared, resolve_overlaps
+from .placements import L1, Placement
+from .types import BlendMatch
+
+__all__ = ["InstanceScore", "RouteScore", "l1_holders", "leading_held", "reuse_split", "route_score"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceScore:
+    """One row of ``POST /route/score``."""
+
+    instance_id: str
+    prefix_tokens: int
+    fragment_tokens: int
+
+    @property
+    def reusable_tokens(self) -> int:
+        return self.prefix_tokens + self.fragment_tokens
+
+    def as_wire(self) -> dict[str, object]:
+        return {"instance_id": self.instance_id, "prefix_tokens": self.prefix_tokens,
+                "fragment_tokens": self.fragment_tokens, "reusable_tokens": self.reusable_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteScore:
+    """The whole answer: ``shared_tokens`` and the rows, sorted (module docstring)."""
+
+    shared_tokens: int
+    instances: list[InstanceScore]
+
+    def as_wire(self) -> dict[str, object]:
+        return {"shared_tokens": self.shared_tokens, "instances": [r.as_wire() for r in self.instances]}
+
+
+def l1_holders(placements: Sequence[Placement], live: Container[str]) -> set[str]:
+    """The live instances holding a private L1 copy among ``placements``."""
+    return {p.instance_id for p in placements
+            if p.tier == L1 and not is_shared(p.instance_id) and p.instance_id in live}
+
+
+def leading_held(held: Sequence[bool]) -> int:
+    """How many leading items of ``held`` are true (a chained prefix stops at its first miss)."""
+    for k, h in enumerate(held):
+        if not h:
+            return k
+    return len(held)
+
+
+def _covered(matches: Sequence[BlendMatch], chunk_size: int) -> int:
+    return chunk_size * len(resolve_overlaps(matches, chunk_size))
+
+
+def route_score(matches: Sequence[BlendMatch], match_placements: Sequence[Sequence[Placement]],
+                prefix_placements: Sequence[Sequence[Placement]], chunk_size: int, live: Container[str],
+                candidates: Optional[Sequence[str]] = None) -> RouteScore:
+    """The score of one request (module docstring).
+
+    ``match_placements[i]``: the namespace's placements of ``matches[i]``'s chunk.
+    ``prefix_placements[j]``: those of the request's ``j``-th prefix-chained chunk hash, for
+    ``j`` from 0 on; it may stop after the first chunk no live instance holds in L1 (no prefix
+    goes past it). ``live``: the live instance ids."""
+    if len(match_placements) != len(matches):
+        raise ValueError(f"{len(match_placements)} placement lists for {len(matches)} matches")
+    prefix_holders = [l1_holders(pls, live) for pls in prefix_placements]
+    match_holders = [l1_holders(pls, live) for pls in match_placements]
+    if candidates is None:
+        named = {p.instance_id for pls in (*match_placements, *prefix_placements) for p in pls
+                 if not is_shared(p.instance_id) and p.instance_id in live}
+        rows_for: list[str] = sorted(named)
+    else:
+        rows_for = list(dict.fromkeys(candidates))
+    rows = []
+    for inst in rows_for:
+        prefix = chunk_size * leading_held([inst in hs for hs in prefix_holders])
+        mine = [m for m, hs in zip(matches, match_holders) if inst in hs and m.cur_st >= prefix]
+        rows.append(InstanceScore(inst, prefix, _covered(mine, chunk_size)))
+    rows.sort(key=lambda r: (-r.reusable_tokens, r.instance_id))
+    shared = [m for m, pls in zip(matches, match_placements) if any(is_shared(p.instance_id) for p in pls)]
+    return RouteScore(_covered(shared, chunk_size), rows)
+
+
+def reuse_split(matches: Sequence[BlendMatch], prefix_chunks: int, chunk_size: int) -> tuple[int, int]:
+    """``(prefix_tokens, non_prefix_tokens)`` of one lookup, fleet-wide (the reuse metrics):
+    ``prefix_chunks`` leading chunks a prefix cache holds, then the tokens at or after them
+    covered by non-overlapping matches (the score's rule with every holder counted)."""
+    prefix = chunk_size * prefix_chunks
+    return prefix, _covered([m for m in matches if m.cur_st >= prefix], chunk_size)
