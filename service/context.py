@@ -49,6 +49,7 @@ from .config import ServiceConfig
 from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
 from .metrics import ServiceMetrics
+from .reuse_metrics import ReuseMetrics
 from .upstream import Upstream
 
 __all__ = ["ServiceContext", "LookupQuery", "Ctx", "get_context", "build_directory"]
@@ -133,6 +134,8 @@ class ServiceContext:
         #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
         self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
                                         none_hash_seed=vllm_none_hash_seed(os.environ))
+        #: Reuse metrics (issue 26): prefix and non-prefix tokens per lookup, by model.
+        self.reuse = ReuseMetrics(self.metrics.registry, lambda: self.directory, self.token_hasher)
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
             cost=query_tokens,
@@ -350,8 +353,11 @@ class ServiceContext:
         ready = [i for i, err in enumerate(errors) if err is None]
         results, stats = index.match_flat(tokens, offsets, [queries[i][1] for i in ready])
         self.metrics.observe_match(stats)
+        observed = []
         for k, (i, matches) in enumerate(zip(ready, results, strict=True)):
             query = queries[i]
+            if len(query) == 2 or query[2].lookup:
+                observed.append((query[1], tokens[offsets[k]:offsets[k + 1]], matches))
             if len(query) == 2:
                 out[i] = encode_matches(matches)
                 continue
@@ -359,6 +365,7 @@ class ServiceContext:
                 out[i] = query[2](matches, tokens[offsets[k]:offsets[k + 1]])  # type: ignore[misc]
             except Exception as exc:  # noqa: BLE001 - that query's failure, not the batch's
                 out[i] = exc
+        self.reuse.observe(observed)
         return out
 
     # ------------------------------------------------------------------ events and reads
@@ -478,6 +485,7 @@ class ServiceContext:
         if self.kv_events is not None:
             ours["kv_events"] = self.kv_events.stats()
         ours["engine"] = self.engine_info()
+        ours["reuse"] = self.reuse.stats()
         ours["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
                            "max_batch_tokens": self.config.max_batch_tokens,
                            "max_batch_wait_ms": self.config.max_batch_wait_ms}

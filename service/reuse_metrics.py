@@ -1,0 +1,123 @@
+"""Reuse metrics: how much of the lookup traffic is reusable, and how much only as fragments.
+
+Question answered: "how much of my traffic is reusable, and how much of it is non-prefix?"
+(issue 26). Per blend lookup (single, batch, with or without placements; not the routing
+score, which a router sends for requests the engine also looks up), on the lookup thread:
+
+- ``prefix``: the leading full chunks whose prefix-chained hashes (the fleet's token hasher)
+  the namespace holds anywhere in the directory, counted while the lookup's non-overlapping
+  matches cover them from position 0 (a chunk stored without its tokens is invisible to blend
+  lookups, so to these metrics too). Hashing only runs over that leading run: a lookup whose
+  first chunk is not matched costs no hash;
+- ``non_prefix``: the tokens after that prefix covered by non-overlapping matches
+  (``route_score.reuse_split``: the routing score's rule with every holder counted).
+
+Series (labelled by model, never by salt: a salt is a tenant's secret and unbounded; at most
+:data:`MAX_MODELS` model labels, later models count under :data:`OTHER_MODEL`):
+``blendmatch_reuse_query_tokens_total{model}``, ``blendmatch_reuse_tokens_total{model,kind}``
+and the per-lookup histogram ``blendmatch_reuse_tokens_per_lookup{model,kind}``
+(``kind``: ``prefix`` | ``non_prefix``). The same totals appear under ``blendmatch.reuse`` in
+``GET /directory/stats``. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index.placement_rank import resolve_overlaps
+from blendmatch.index.route_score import leading_held, reuse_split
+from blendmatch.index.token_hasher import TokenHasher
+from blendmatch.index.types import BlendMatch, BlendNamespace
+
+__all__ = ["KINDS", "MAX_MODELS", "OTHER_MODEL", "ReuseMetrics"]
+
+#: Distinct model labels kept; a model name is client input, so the label set is bounded.
+MAX_MODELS = 64
+#: The label past :data:`MAX_MODELS` models.
+OTHER_MODEL = "__other__"
+KINDS = ("prefix", "non_prefix")
+_TOKEN_BUCKETS = (0.0,) + tuple(float(1 << i) for i in range(8, 21))  # 0, 256 .. 1M tokens
+
+#: One observed lookup: its namespace, its tokens, the matches it was answered.
+Observed = tuple[BlendNamespace, np.ndarray, Sequence[BlendMatch]]
+
+
+class ReuseMetrics:
+    """The reuse series and totals of one app (module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry, directory: Callable[[], KeyDirectory], hasher: TokenHasher
+                 ) -> None:
+        self._directory = directory
+        self._hasher = hasher
+        self._lock = threading.Lock()
+        self._totals: dict[str, list[int]] = {}  # model -> [lookups, query_tokens, prefix, non_prefix]
+        self.query_tokens = Counter("blendmatch_reuse_query_tokens", "tokens of the blend lookups observed",
+                                    ["model"], registry=registry)
+        self.tokens = Counter("blendmatch_reuse_tokens", "lookup tokens covered by non-overlapping matches, "
+                              "prefix (a prefix cache holds them) or non_prefix (fragments)",
+                              ["model", "kind"], registry=registry)
+        self.per_lookup = Histogram("blendmatch_reuse_tokens_per_lookup", "covered tokens per lookup, by kind",
+                                    ["model", "kind"], buckets=_TOKEN_BUCKETS, registry=registry)
+
+    def _label(self, model: str) -> str:
+        """The model's label (call with the lock held)."""
+        if model in self._totals or len(self._totals) < MAX_MODELS:
+            return model
+        return OTHER_MODEL
+
+    def prefix_chunks(self, ns: BlendNamespace, tokens: np.ndarray, resolved: Sequence[BlendMatch]) -> int:
+        """Leading chunks the namespace holds under the request's chained hashes, within the
+        matches' leading run from position 0 (module docstring)."""
+        c = self._hasher.chunk_size
+        run = 0
+        for m in resolved:
+            if m.cur_st != run * c:
+                break
+            run += 1
+        if run == 0:
+            return 0
+        hashes = self._hasher.chunk_hashes(tokens, end=run * c)
+        return leading_held([bool(p) for p in self._directory().namespace_placements(hashes, ns)])
+
+    def observe(self, lookups: Sequence[Observed]) -> None:
+        """Count a batch of answered lookups (lookup thread). Never raises into the batch: a
+        token the hasher cannot hash counts as no prefix."""
+        c = self._hasher.chunk_size
+        rows = []
+        for ns, tokens, matches in lookups:
+            resolved = resolve_overlaps(matches, c) if matches else []
+            try:
+                chunks = self.prefix_chunks(ns, tokens, resolved) if resolved else 0
+            except ValueError:
+                chunks = 0
+            prefix, rest = reuse_split(resolved, chunks, c)
+            rows.append((ns.model_name, int(tokens.shape[0]), prefix, rest))
+        with self._lock:
+            labelled = []
+            for model, n, prefix, rest in rows:
+                label = self._label(model)
+                t = self._totals.setdefault(label, [0, 0, 0, 0])
+                t[0] += 1
+                t[1] += n
+                t[2] += prefix
+                t[3] += rest
+                labelled.append((label, n, prefix, rest))
+        for label, n, prefix, rest in labelled:
+            self.query_tokens.labels(label).inc(n)
+            for kind, v in zip(KINDS, (prefix, rest)):
+                self.tokens.labels(label, kind).inc(v)
+                self.per_lookup.labels(label, kind).observe(v)
+
+    def stats(self) -> dict[str, Any]:
+        """``GET /directory/stats`` ``blendmatch.reuse``: totals, and the same per model."""
+        with self._lock:
+            by_model = {m: {"lookups": t[0], "query_tokens": t[1], "prefix_tokens": t[2], "non_prefix_tokens": t[3]}
+                        for m, t in sorted(self._totals.items())}
+        total = {k: sum(row[k] for row in by_model.values())
+                 for k in ("lookups", "query_tokens", "prefix_tokens", "non_prefix_tokens")}
+        return {**total, "by_model": by_model}
