@@ -21,9 +21,10 @@ shared, not anyone's L1); only live instances hold anything (``live``: the calle
 the registry; a fenced instance's L1 copies are already gone from the directory, an expired
 or unknown one is not in ``live``). Every match covers exactly ``chunk_size`` tokens.
 
-Rows: one per candidate (given order, duplicates once), or by default one per live
-instance holding any copy (any tier) of this request's matched or prefix chunks; an
-instance holding none of them would score 0 everywhere. Sorted by ``reusable_tokens``
+Rows: one per candidate (duplicates once), or by default one per live instance (the
+registry's live fleet: telling which instances hold anything of a namespace would take a
+walk of the directory, and an instance holding nothing of the request scores 0 anyway; a
+fleet serving several models passes its candidates). Sorted by ``reusable_tokens``
 descending, then ``instance_id``. Pure functions over their arguments (no locks, no I/O):
 the service gathers matches, placements and prefix hashes (``service/routing.py``);
 ``tests/test_route_score.py`` checks them against a brute-force oracle.
@@ -32,7 +33,7 @@ the service gathers matches, placements and prefix hashes (``service/routing.py`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Container, Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from .placement_rank import is_shared, resolve_overlaps
 from .placements import L1, Placement
@@ -69,7 +70,7 @@ class RouteScore:
         return {"shared_tokens": self.shared_tokens, "instances": [r.as_wire() for r in self.instances]}
 
 
-def l1_holders(placements: Sequence[Placement], live: Container[str]) -> set[str]:
+def l1_holders(placements: Sequence[Placement], live: Collection[str]) -> set[str]:
     """The live instances holding a private L1 copy among ``placements``."""
     return {p.instance_id for p in placements
             if p.tier == L1 and not is_shared(p.instance_id) and p.instance_id in live}
@@ -88,24 +89,19 @@ def _covered(matches: Sequence[BlendMatch], chunk_size: int) -> int:
 
 
 def route_score(matches: Sequence[BlendMatch], match_placements: Sequence[Sequence[Placement]],
-                prefix_placements: Sequence[Sequence[Placement]], chunk_size: int, live: Container[str],
+                prefix_placements: Sequence[Sequence[Placement]], chunk_size: int, live: Collection[str],
                 candidates: Optional[Sequence[str]] = None) -> RouteScore:
     """The score of one request (module docstring).
 
     ``match_placements[i]``: the namespace's placements of ``matches[i]``'s chunk.
     ``prefix_placements[j]``: those of the request's ``j``-th prefix-chained chunk hash, for
     ``j`` from 0 on; it may stop after the first chunk no live instance holds in L1 (no prefix
-    goes past it). ``live``: the live instance ids."""
+    goes past it). ``live``: the live instance ids (the default rows)."""
     if len(match_placements) != len(matches):
         raise ValueError(f"{len(match_placements)} placement lists for {len(matches)} matches")
     prefix_holders = [l1_holders(pls, live) for pls in prefix_placements]
     match_holders = [l1_holders(pls, live) for pls in match_placements]
-    if candidates is None:
-        named = {p.instance_id for pls in (*match_placements, *prefix_placements) for p in pls
-                 if not is_shared(p.instance_id) and p.instance_id in live}
-        rows_for: list[str] = sorted(named)
-    else:
-        rows_for = list(dict.fromkeys(candidates))
+    rows_for = sorted(live) if candidates is None else list(dict.fromkeys(candidates))
     rows = []
     for inst in rows_for:
         prefix = chunk_size * leading_held([inst in hs for hs in prefix_holders])
