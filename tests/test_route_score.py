@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
 from typing import Any
@@ -233,6 +234,19 @@ def test_score_needs_the_reader_role_and_bad_bodies_are_422(app):
         assert r.status_code == 422 and "tokens_b64" in r.text
         r = await c.post("/route/score", json={"token_ids": [1], "model_name": "m", "candidates": []})
         assert r.status_code == 200 and r.json() == {"shared_tokens": 0, "instances": []}
+        # the fast path and the route answer the same bytes (a streamed body has no
+        # Content-Length: the fast path hands it to the route)
+        tokens = np.arange(3 * C, dtype=np.uint32)
+        for body in ({"token_ids": tokens.tolist(), "model_name": "m", "candidates": ["b", "a"]},
+                     {"tokens_b64": b64(tokens), "model_name": "m", "candidates": ["a"]}):
+            fast = await c.post("/route/score", json=body)
+
+            async def streamed(data: bytes = json.dumps(body).encode()):
+                yield data[:5]
+                yield data[5:]
+
+            routed = await c.post("/route/score", content=streamed(), headers={"content-type": "application/json"})
+            assert fast.status_code == routed.status_code == 200 and fast.content == routed.content
 
     app.run(go())
     from blendmatch.service.access import rule_for
