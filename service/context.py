@@ -469,6 +469,7 @@ class ServiceContext:
                 snap[key] = blend[key]
         eng = self.engine_info()
         snap["engine"], snap["engine_reason"] = eng["name"], eng["reason"]
+        snap["ready"] = int(self.durability.readiness()[0] and self.fatal is None)
         return snap
 
     def stats(self) -> dict[str, Any]:
