@@ -280,3 +280,39 @@ def test_a_long_prefix_spans_the_hashing_steps(app):
     r = app.run(go())
     assert r.json() == {"shared_tokens": 0, "instances": [{"instance_id": "long-A", "prefix_tokens": 13 * C,
                                                            "fragment_tokens": C, "reusable_tokens": 14 * C}]}
+
+
+def test_the_worked_example_of_docs_routing_md():
+    """docs/routing.md's example, with its chunk size (256) and its answer."""
+    c = 256
+    rng = np.random.default_rng(1)
+    s, d, r1, r2 = (rng.integers(0, 50_000, size=(n, c), dtype=np.uint32) for n in (2, 3, 1, 1))
+    other = rng.integers(0, 50_000, size=(1, c), dtype=np.uint32)
+    question = rng.integers(60_000, 90_000, size=100, dtype=np.uint32)
+
+    async def go() -> Any:
+        async with served(config(chunk_size=c, health_check_interval=0)) as (client, app):
+            hasher = app.state.blendmatch_context.token_hasher
+
+            def entries(rows: np.ndarray, skip: int = 0) -> list[dict[str, Any]]:
+                hashes = hasher.chunk_hashes(rows.reshape(-1))
+                return [wire_entry(h, "llama", pack_kv_rank(1), size_bytes=1 << 20, token_ids=row.tolist(),
+                                   token_offset=k * c) for k, (h, row) in enumerate(zip(hashes, rows))][skip:]
+
+            for inst in ("gpu-a", "gpu-b", "gpu-c"):
+                await client.post("/instances", json={"instance_id": inst, "ip": "10.0.0.1", "http_port": 8080})
+            body = {"batches": [
+                wire_batch("gpu-a", 1, "store", entries(s)),
+                wire_batch("gpu-b", 1, "store", entries(np.concatenate([other, d]))),
+                wire_batch("gpu-c", 1, "store", entries(np.concatenate([s, r1]))),
+                wire_batch("pool", 1, "store", entries(np.concatenate([other, r2]), skip=1), tier="l2",
+                           backend="mooncake", shared=True)]}
+            assert (await client.post("/events", json=body)).status_code == 200
+            request = np.concatenate([s.reshape(-1), d.reshape(-1), r1.reshape(-1), r2.reshape(-1), question])
+            assert request.shape == (1892,)
+            return (await client.post("/route/score", json={"token_ids": request.tolist(), "model_name": "llama"})).json()
+
+    assert asyncio.run(go()) == {"shared_tokens": 256, "instances": [
+        {"instance_id": "gpu-b", "prefix_tokens": 0, "fragment_tokens": 768, "reusable_tokens": 768},
+        {"instance_id": "gpu-c", "prefix_tokens": 512, "fragment_tokens": 256, "reusable_tokens": 768},
+        {"instance_id": "gpu-a", "prefix_tokens": 512, "fragment_tokens": 0, "reusable_tokens": 512}]}
