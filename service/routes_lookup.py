@@ -53,8 +53,8 @@ def query_of(body: BlendLookupRequest, where: str = "body") -> LookupQuery:
 
 def placed(ctx: ServiceContext, body: BlendLookupRequest, query: LookupQuery) -> LookupQuery:
     """``query`` answered with placements (``include_placements``, issue 26: ``routing.py``)."""
-    return (*query[:2], PlacedMatches(lambda: ctx.directory, ctx.registry, body.namespace,
-                                      body.requester_instance_id))
+    return (*query[:2], PlacedMatches(directory=lambda: ctx.directory, registry=ctx.registry,
+                                      namespace=body.namespace, requester=body.requester_instance_id))
 
 
 async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest, tokens: Any = None) -> bytes:

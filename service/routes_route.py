@@ -33,7 +33,8 @@ async def answer_score(ctx: ServiceContext, body: RouteScoreRequest, tokens: Any
     t0 = time.perf_counter()
     query = (tokens, body.namespace) if tokens is not None else query_of(body)  # type: ignore[arg-type]
     ctx.check_tokens(query_tokens(query))
-    scorer = ScoreRequest(lambda: ctx.directory, ctx.registry, ctx.token_hasher, body.namespace, body.candidates)
+    scorer = ScoreRequest(directory=lambda: ctx.directory, registry=ctx.registry, namespace=body.namespace,
+                          hasher=ctx.token_hasher, candidates=body.candidates)
     try:
         payload = await finish(ctx, (*query, scorer))
     except TokenDecodeError as exc:

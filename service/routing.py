@@ -23,7 +23,8 @@ the directory lock once per read (``KeyDirectory.namespace_placements``).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 
@@ -55,25 +56,35 @@ def encode_placed(matches: Sequence[BlendMatch], placements: Sequence[Sequence[A
     return f'{{"matches":[{",".join(items)}],"dropped_without_live_holder":{int(dropped)}}}'.encode()
 
 
-class PlacedMatches:
+@dataclass(frozen=True, kw_only=True)
+class _Finisher:
+    """What every finisher reads: the directory (through a getter: a restore may replace
+    it), the registry (who is live) and the query's namespace."""
+
+    directory: Callable[[], KeyDirectory]
+    registry: InstanceRegistry
+    namespace: BlendNamespace
+
+    def read(self, matches: list[BlendMatch]) -> tuple[KeyDirectory, frozenset[str], list[tuple[Any, ...]]]:
+        """``(directory, live ids, the namespace's placements of each match's chunk)``."""
+        live = self.registry.live_ids()
+        directory = self.directory()
+        return directory, live, directory.namespace_placements([m.chunk_hash for m in matches], self.namespace)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacedMatches(_Finisher):
     """Finisher of a lookup with ``include_placements`` (module docstring)."""
 
+    requester: Optional[str] = None
     #: Counted by the reuse metrics as a blend lookup.
-    lookup = True
-
-    def __init__(self, directory: Callable[[], KeyDirectory], registry: InstanceRegistry, namespace: BlendNamespace,
-                 requester: Optional[str]) -> None:
-        self._directory = directory
-        self._registry = registry
-        self._namespace = namespace
-        self._requester = requester
+    lookup: ClassVar[bool] = True
 
     def __call__(self, matches: list[BlendMatch], tokens: np.ndarray) -> bytes:
-        live = self._registry.live_ids()
-        stored = self._directory().namespace_placements([m.chunk_hash for m in matches], self._namespace)
+        _, live, stored = self.read(matches)
         kept, where = [], []
         for m, pls in zip(matches, stored, strict=True):
-            ranked = rank_placements(pls, self._requester, live)
+            ranked = rank_placements(pls, self.requester, live)
             if ranked:
                 kept.append(m)
                 where.append(ranked)
@@ -104,26 +115,19 @@ def prefix_placements(directory: KeyDirectory, hasher: TokenHasher, tokens: np.n
     return out
 
 
-class ScoreRequest:
+@dataclass(frozen=True, kw_only=True)
+class ScoreRequest(_Finisher):
     """Finisher of ``POST /route/score``: the score's JSON bytes (module docstring)."""
 
+    hasher: TokenHasher
+    candidates: Optional[list[str]] = None
     #: Not a blend lookup for the reuse metrics (a router scores what the engine looks up).
-    lookup = False
-
-    def __init__(self, directory: Callable[[], KeyDirectory], registry: InstanceRegistry, hasher: TokenHasher,
-                 namespace: BlendNamespace, candidates: Optional[list[str]]) -> None:
-        self._directory = directory
-        self._registry = registry
-        self._hasher = hasher
-        self._namespace = namespace
-        self._candidates = candidates
+    lookup: ClassVar[bool] = False
 
     def __call__(self, matches: list[BlendMatch], tokens: np.ndarray) -> bytes:
-        live = self._registry.live_ids()
-        directory = self._directory()
-        stored = directory.namespace_placements([m.chunk_hash for m in matches], self._namespace)
-        prefix = prefix_placements(directory, self._hasher, tokens, self._namespace, live)
-        score = route_score(matches, stored, prefix, self._hasher.chunk_size, live, self._candidates)
+        directory, live, stored = self.read(matches)
+        prefix = prefix_placements(directory, self.hasher, tokens, self.namespace, live)
+        score = route_score(matches, stored, prefix, self.hasher.chunk_size, live, self.candidates)
         return json.dumps(score.as_wire(), separators=(",", ":")).encode()
 
 
