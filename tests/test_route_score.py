@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from blendmatch.index.placement_rank import rank_placements
 from blendmatch.index.placements import Placement
 from blendmatch.index.route_score import route_score
 from blendmatch.index.types import BlendMatch, pack_kv_rank
@@ -102,6 +103,22 @@ def test_pure_score_matches_the_oracle(n_chunks, c, data):
     assert got.as_wire() == expected
 
 
+def _rank_oracle(copy: tuple[str, str, str], who: Any) -> tuple[Any, ...]:
+    """The ranking table of docs/routing.md, written out: own L1, other L1, shared, L2."""
+    inst, tier, backend = copy
+    cls = 2 if inst == "" else (0 if inst == who else 1) if tier == "l1" else 3
+    return cls, inst != who, inst, tier, backend
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.lists(st.tuples(_owner, st.sampled_from(("l1", "l2")), st.sampled_from(("cpu", "disk"))), max_size=8),
+       live=st.sets(st.sampled_from(INSTANCES)), who=st.sampled_from(INSTANCES + (None, "nope")))
+def test_pure_ranking_matches_the_oracle(raw, live, who):
+    got = rank_placements(_placements(raw), who, live)
+    usable = {(i, t, "pool" if i == "" else b) for i, t, b in raw if i == "" or i in live}
+    assert [(p.instance_id, p.tier, p.backend) for p in got] == sorted(usable, key=lambda cp: _rank_oracle(cp, who))
+
+
 # ---------------------------------------------------------------------- the service
 class _App:
     """One app for every example, its loop on a thread of its own (hypothesis drives sync
@@ -140,8 +157,10 @@ _SEQ = st.tuples(st.sampled_from(INSTANCES + ("pool",)), st.sampled_from(("l1", 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), statuses=st.tuples(*[_STATUS] * len(INSTANCES)),
        seqs=st.lists(_SEQ, min_size=1, max_size=6), query=st.lists(st.integers(0, 5), min_size=1, max_size=8),
-       tail=st.integers(0, C - 1), default_rows=st.booleans(), lead=st.integers(-1, 5))
-def test_service_score_matches_the_oracle(app, seed, statuses, seqs, query, tail, default_rows, lead):
+       tail=st.integers(0, C - 1), default_rows=st.booleans(), lead=st.integers(-1, 5),
+       requester=st.sampled_from(INSTANCES + (None,)), mirror=st.booleans())
+def test_service_score_and_placements_match_the_oracle(app, seed, statuses, seqs, query, tail, default_rows, lead,
+                                                       requester, mirror):
     app.examples += 1
     tag = f"x{app.examples}"
     model = f"model-{tag}"
@@ -154,8 +173,11 @@ def test_service_score_matches_the_oracle(app, seed, statuses, seqs, query, tail
 
     l1: dict[str, set[bytes]] = {i: set() for i in INSTANCES}
     shared: set[bytes] = set()
+    copies: dict[bytes, set[tuple[str, str, str]]] = {}  # every copy stored: (instance_id, tier, backend)
     batches = []
     seq_no: dict[str, int] = {}
+    if mirror:  # the pool also holds the first sequence: chunks with shared and private copies
+        seqs = seqs + [("pool", "l2", seqs[0][2])]
     for owner, tier, idx in seqs:
         tokens = contents[idx].reshape(-1)
         hashes = hasher.chunk_hashes(tokens)
@@ -166,10 +188,14 @@ def test_service_score_matches_the_oracle(app, seed, statuses, seqs, query, tail
         if owner == "pool":
             batches.append(wire_batch(inst, seq_no[inst], "store", entries, tier="l2", backend="mooncake", shared=True))
             shared.update(hashes)
+            for h in hashes:
+                copies.setdefault(h, set()).add(("", "l2", "mooncake"))
         else:
             batches.append(wire_batch(inst, seq_no[inst], "store", entries, tier=tier, backend=f"{tier}-be"))
             if tier == "l1":
                 l1[owner].update(hashes)
+            for h in hashes:
+                copies.setdefault(h, set()).add((inst, tier, f"{tier}-be"))
 
     async def build() -> None:
         c = app.client
@@ -192,6 +218,8 @@ def test_service_score_matches_the_oracle(app, seed, statuses, seqs, query, tail
     for i in INSTANCES:
         if status[i] in ("deregistered", "restarted"):
             l1[i] = set()
+            for cs in copies.values():  # fenced: its L1 copies are gone, its L2 ones stay
+                cs.discard((ids[i], "l1", "l1-be"))
     live = {ids[i] for i in INSTANCES if status[i] in ("live", "restarted")}
 
     if 0 <= lead < len(seqs):  # open with a stored sequence: long prefixes (past the first hashing step)
@@ -202,12 +230,17 @@ def test_service_score_matches_the_oracle(app, seed, statuses, seqs, query, tail
     if candidates is not None:
         body["candidates"] = candidates
 
-    async def ask() -> tuple[Any, Any]:
+    placed_body = {"token_ids": q_tokens.tolist(), "model_name": model, "include_placements": True}
+    if requester is not None:
+        placed_body["requester_instance_id"] = ids[requester]
+
+    async def ask() -> tuple[Any, Any, Any]:
         score = await app.client.post("/route/score", json=body)
         lookup = await app.client.post("/directory/blend-lookup", json={"tokens_b64": b64(q_tokens), "model_name": model})
-        return score, lookup
+        placed = await app.client.post("/directory/blend-lookup", json=placed_body)
+        return score, lookup, placed
 
-    score, lookup = app.run(ask())
+    score, lookup, placed = app.run(ask())
     assert score.status_code == 200, score.text
     matches = [BlendMatch(bytes.fromhex(m["chunk_hash"]), m["old_st"], m["cur_st"]) for m in lookup.json()["matches"]]
     holders = {}
@@ -217,6 +250,20 @@ def test_service_score_matches_the_oracle(app, seed, statuses, seqs, query, tail
     q_hashes = hasher.chunk_hashes(q_tokens)
     expected = _oracle(matches, holders, shared, [holders.get(h, set()) for h in q_hashes], live, candidates, C)
     assert score.json() == expected
+
+    # placements: each match's live copies, ranked; matches without one dropped and counted
+    who = None if requester is None else ids[requester]
+
+    want, dropped = [], 0
+    for m in matches:
+        usable = sorted((cp for cp in copies.get(m.chunk_hash, ()) if cp[0] == "" or cp[0] in live),
+                        key=lambda cp: _rank_oracle(cp, who))
+        if not usable:
+            dropped += 1
+            continue
+        want.append({"chunk_hash": m.chunk_hash.hex(), "old_st": m.old_st, "cur_st": m.cur_st,
+                     "placements": [{"instance_id": i, "tier": t, "backend": b} for i, t, b in usable]})
+    assert placed.json() == {"matches": want, "dropped_without_live_holder": dropped}
 
     async def cleanup() -> None:  # the next example's default rows are its own live fleet
         for i in INSTANCES:
