@@ -91,6 +91,8 @@ def _tokens_be_u32(tokens: Any) -> bytes:
     arr = np.asarray(tokens)
     if arr.size == 0:
         return b""
+    if arr.dtype == np.uint32:  # every value fits: no range scan (the service's token arrays)
+        return arr.astype(">u4").tobytes()
     if arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
         raise ValueError("token ids must be integers in 0..4294967295 for blake3 hashing")
     return arr.astype(">u4", copy=False).tobytes()

@@ -56,6 +56,7 @@ class ReuseMetrics:
         self._hasher = hasher
         self._lock = threading.Lock()
         self._totals: dict[str, list[int]] = {}  # model -> [lookups, query_tokens, prefix, non_prefix]
+        self._series: dict[str, tuple[Any, ...]] = {}  # model label -> its resolved children
         self.query_tokens = Counter("blendmatch_reuse_query_tokens", "tokens of the blend lookups observed",
                                     ["model"], registry=registry)
         self.tokens = Counter("blendmatch_reuse_tokens", "lookup tokens covered by non-overlapping matches, "
@@ -107,11 +108,30 @@ class ReuseMetrics:
                 t[2] += prefix
                 t[3] += rest
                 labelled.append((label, n, prefix, rest))
+        sums: dict[str, list[int]] = {}
         for label, n, prefix, rest in labelled:
-            self.query_tokens.labels(label).inc(n)
-            for kind, v in zip(KINDS, (prefix, rest)):
-                self.tokens.labels(label, kind).inc(v)
-                self.per_lookup.labels(label, kind).observe(v)
+            s = sums.setdefault(label, [0, 0, 0])
+            s[0] += n
+            s[1] += prefix
+            s[2] += rest
+            hist = self._children(label)[3:]
+            hist[0].observe(prefix)
+            hist[1].observe(rest)
+        for label, (n, prefix, rest) in sums.items():  # counters once per model and batch
+            queried, prefix_c, rest_c = self._children(label)[:3]
+            queried.inc(n)
+            prefix_c.inc(prefix)
+            rest_c.inc(rest)
+
+    def _children(self, label: str) -> tuple[Any, ...]:
+        """The label's series (``labels()`` takes a lock and a dict lookup per call: resolved
+        once per model; the label set is bounded by :data:`MAX_MODELS`)."""
+        got = self._series.get(label)
+        if got is None:
+            got = self._series[label] = (
+                self.query_tokens.labels(label), *(self.tokens.labels(label, k) for k in KINDS),
+                *(self.per_lookup.labels(label, k) for k in KINDS))
+        return got
 
     def stats(self) -> dict[str, Any]:
         """``GET /directory/stats`` ``blendmatch.reuse``: totals, and the same per model."""
