@@ -167,3 +167,48 @@ def test_client_parses_placements_and_prefers_the_better_placed_overlap():
     assert [m.cur_st for m in resolve_overlaps(got, 16, prefer_placement=True, requester_instance_id="B")] == [8]
     # for A: its own L1 at 16 first, then the shared copy at 0 still fits
     assert [m.cur_st for m in resolve_overlaps(got, 16, prefer_placement=True, requester_instance_id="A")] == [0, 16]
+
+
+def test_lock_free_placement_reads_race_ingest_without_tearing():
+    """``namespace_placements`` takes no lock (the lookup thread must not wait for ingest):
+    while another thread stores, re-places and deletes the same keys, every read is one of
+    the states a key passes through, never a torn or foreign one."""
+    import threading
+
+    from blendmatch.index.key_directory import KeyDirectory
+    from blendmatch.index.types import pack_kv_rank
+    from blendmatch.index.wire_models import wire_batch, wire_entry
+
+    d = KeyDirectory()
+    hashes = [hash_of(i) for i in range(32)]
+    entries = [wire_entry(h, MODEL, pack_kv_rank(1), size_bytes=8) for h in hashes]
+    other = [wire_entry(h, "other-model", pack_kv_rank(1), size_bytes=8) for h in hashes]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def ingest() -> None:
+        seq = 0
+        try:
+            while not stop.is_set():
+                for inst, tier, kind, ents in (("A", "l1", "store", entries), ("B", "l2", "store", entries),
+                                               ("A", "l1", "store", other), ("A", "l1", "delete", entries),
+                                               ("B", "l2", "delete", entries)):
+                    seq += 1
+                    d.apply({"batches": [wire_batch(inst, seq, kind, ents, tier=tier)]})
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    allowed = {(), (("A", "l1"),), (("B", "l2"),), (("A", "l1"), ("B", "l2"))}
+    t = threading.Thread(target=ingest)
+    t.start()
+    try:
+        seen = set()
+        for _ in range(3000):
+            for pls in d.namespace_placements(hashes, BlendNamespace(MODEL)):
+                got = tuple(sorted((p.instance_id, p.tier) for p in pls))
+                assert got in allowed, got
+                seen.add(got)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and len(seen) >= 2
