@@ -219,8 +219,10 @@ def _check(response: httpx.Response) -> httpx.Response:
     return response
 
 
-def _queries(queries: Sequence[tuple[Any, BlendNamespace]]) -> dict[str, Any]:
-    return {"queries": [_query_body(t, as_namespace(ns)) for t, ns in queries]}
+def _queries(queries: Sequence[tuple[Any, BlendNamespace]], include_placements: bool = False,
+             requester_instance_id: str | None = None) -> dict[str, Any]:
+    return {"queries": [_placement_options(_query_body(t, as_namespace(ns)), include_placements, requester_instance_id)
+                        for t, ns in queries]}
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -391,9 +393,12 @@ class BlendClient:
         body = _score_body(tokens, _namespace(model_name, world_size, cache_salt), candidates)
         return self._call("POST", "/route/score", body)  # type: ignore[no-any-return]
 
-    def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]]) -> list[list[BlendMatch]]:
-        """Matches of many ``(tokens, namespace)`` queries in one request, in order."""
-        return _results(self._call("POST", "/directory/blend-lookup/batch", _queries(queries)))
+    def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]], *, include_placements: bool = False,
+                     requester_instance_id: str | None = None) -> list[list[BlendMatch]]:
+        """Matches of many ``(tokens, namespace)`` queries in one request, in order (with
+        ``include_placements``, as :meth:`lookup`'s, for every query)."""
+        body = _queries(queries, include_placements, requester_instance_id)
+        return _results(self._call("POST", "/directory/blend-lookup/batch", body))
 
     def post_events(self, batches: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, int]:
         """Send event batches (or a whole ``{"batches": ...}`` body); ``{applied, duplicates, stale}``."""
@@ -526,8 +531,10 @@ class AsyncBlendClient:
         body = _score_body(tokens, _namespace(model_name, world_size, cache_salt), candidates)
         return (await self._request("POST", "/route/score", json=body)).json()  # type: ignore[no-any-return]
 
-    async def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]]) -> list[list[BlendMatch]]:
-        payload = (await self._request("POST", "/directory/blend-lookup/batch", json=_queries(queries))).json()
+    async def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]], *, include_placements: bool = False,
+                           requester_instance_id: str | None = None) -> list[list[BlendMatch]]:
+        body = _queries(queries, include_placements, requester_instance_id)
+        payload = (await self._request("POST", "/directory/blend-lookup/batch", json=body)).json()
         return [_matches(r) for r in payload["results"]]
 
     async def post_events(self, batches: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, int]:

@@ -212,3 +212,25 @@ def test_lock_free_placement_reads_race_ingest_without_tearing():
         stop.set()
         t.join()
     assert not errors and len(seen) >= 2
+
+
+async def test_async_client_options_against_the_app():
+    import httpx
+
+    from blendmatch.service.client import AsyncBlendClient, BlendMatch, MatchPlacement, PlacedMatch
+
+    async with served() as (client, app):
+        await _fleet(client)
+        ns = BlendNamespace(MODEL)
+        async with AsyncBlendClient("http://test", transport=httpx.ASGITransport(app=app)) as c:
+            plain = await c.lookup(QUERY, MODEL)
+            assert plain and all(type(m) is BlendMatch for m in plain)
+            placed = await c.lookup(QUERY, MODEL, include_placements=True, requester_instance_id="B")
+            assert all(type(m) is PlacedMatch for m in placed) and len(placed) == len(plain) - 1  # chunk 6 dropped
+            assert placed[2].placements[0] == MatchPlacement("B", "l1", "LocalCPUBackend")
+            assert [tuple(m[:3]) for m in placed] == [tuple(m) for m in plain if m.cur_st != 6 * C]
+            (batch,) = await c.lookup_batch([(QUERY, ns)], include_placements=True, requester_instance_id="B")
+            assert batch == placed
+            score = await c.route_score(QUERY, MODEL, candidates=["A", "B"])
+            assert [r["instance_id"] for r in score["instances"]] == ["A", "B"]
+            assert score["instances"][0]["reusable_tokens"] == 4 * C  # A: chunks 0..3 in L1 (hashes not chained)
