@@ -22,6 +22,7 @@ and the per-lookup histogram ``blendmatch_reuse_tokens_per_lookup{model,kind}``
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable, Sequence
 
@@ -35,6 +36,8 @@ from blendmatch.index.token_hasher import TokenHasher
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
 __all__ = ["KINDS", "MAX_MODELS", "OTHER_MODEL", "ReuseMetrics"]
+
+log = logging.getLogger(__name__)
 
 #: Distinct model labels kept; a model name is client input, so the label set is bounded.
 MAX_MODELS = 64
@@ -57,6 +60,7 @@ class ReuseMetrics:
         self._lock = threading.Lock()
         self._totals: dict[str, list[int]] = {}  # model -> [lookups, query_tokens, prefix, non_prefix]
         self._series: dict[str, tuple[Any, ...]] = {}  # model label -> its resolved children
+        self._failed = False
         self.query_tokens = Counter("blendmatch_reuse_query_tokens", "tokens of the blend lookups observed",
                                     ["model"], registry=registry)
         self.tokens = Counter("blendmatch_reuse_tokens", "lookup tokens covered by non-overlapping matches, "
@@ -86,8 +90,16 @@ class ReuseMetrics:
         return leading_held([bool(p) for p in self._directory().namespace_placements(hashes, ns)])
 
     def observe(self, lookups: Sequence[Observed]) -> None:
-        """Count a batch of answered lookups (lookup thread). Never raises into the batch: a
-        token the hasher cannot hash counts as no prefix."""
+        """Count a batch of answered lookups (lookup thread). Never raises into the batch
+        (its answers are already built): a failure is logged once and that batch uncounted."""
+        try:
+            self._observe(lookups)
+        except Exception:  # noqa: BLE001 - a metric must not fail the lookups it measures
+            if not self._failed:
+                self._failed = True
+                log.exception("reuse metrics: a batch could not be counted (logged once)")
+
+    def _observe(self, lookups: Sequence[Observed]) -> None:
         c = self._hasher.chunk_size
         rows = []
         for ns, tokens, matches in lookups:

@@ -16,8 +16,8 @@ answered exactly as before).
   and stopped at the first chunk no live instance holds in L1.
 
 Liveness is the registry's (``InstanceRegistry.live_ids``: registered and heard from within
-the instance timeout), read once per answer. A finisher runs with no lock held; it takes
-the directory lock once per read (``KeyDirectory.namespace_placements``).
+the instance timeout), read once per answer. A finisher takes no directory lock: its
+reads (``KeyDirectory.namespace_placements``) are lock-free, so it never waits for ingest.
 """
 
 from __future__ import annotations
