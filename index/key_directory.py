@@ -233,6 +233,24 @@ class KeyDirectory:
                              for p in placements))
         return out
 
+    def namespace_holds(self, chunk_hashes: Iterable[bytes], namespace: BlendNamespace) -> list[bool]:
+        """Per chunk hash, whether ``namespace`` holds a key of it (any placement): what
+        :meth:`namespace_placements` would answer non-empty, without building the tuples
+        (the reuse metrics ask it for every prefix-hit lookup). Lock-free, for the same
+        reason and with the same guarantee."""
+        get = self._store.bindings.get
+        out: list[bool] = []
+        for h in chunk_hashes:
+            b = get(h)
+            held = False
+            if b is not None:
+                for scope, _ in b.members:
+                    if scope.namespace == namespace:
+                        held = True
+                        break
+            out.append(held)
+        return out
+
     def get_token_ids(self, chunk_hashes: Iterable[bytes]) -> list[Optional[np.ndarray]]:
         """The content bound to each chunk hash (uint32 copies the caller owns), or None
         when the chunk hash is unknown or no STORE carried its tokens yet."""

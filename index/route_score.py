@@ -112,9 +112,13 @@ def route_score(matches: Sequence[BlendMatch], match_placements: Sequence[Sequen
     return RouteScore(_covered(shared, chunk_size), rows)
 
 
-def reuse_split(matches: Sequence[BlendMatch], prefix_chunks: int, chunk_size: int) -> tuple[int, int]:
+def reuse_split(matches: Sequence[BlendMatch], prefix_chunks: int, chunk_size: int, *, resolved: bool = False
+                ) -> tuple[int, int]:
     """``(prefix_tokens, non_prefix_tokens)`` of one lookup, fleet-wide (the reuse metrics):
     ``prefix_chunks`` leading chunks a prefix cache holds, then the tokens at or after them
-    covered by non-overlapping matches (the score's rule with every holder counted)."""
+    covered by non-overlapping matches (the score's rule with every holder counted).
+    ``resolved``: ``matches`` are :func:`resolve_overlaps`' answer already (non-overlapping,
+    ascending), whose tail after the prefix is its own answer (it saves a second pass)."""
     prefix = chunk_size * prefix_chunks
-    return prefix, _covered([m for m in matches if m.cur_st >= prefix], chunk_size)
+    after = [m for m in matches if m.cur_st >= prefix]
+    return prefix, chunk_size * len(after) if resolved else _covered(after, chunk_size)

@@ -46,6 +46,10 @@ OTHER_MODEL = "__other__"
 KINDS = ("prefix", "non_prefix")
 _TOKEN_BUCKETS = (0.0,) + tuple(float(1 << i) for i in range(8, 21))  # 0, 256 .. 1M tokens
 
+#: Chained hashes remembered at most (each entry keeps its chunk's tokens: 1 KiB at 256
+#: tokens, so about 4 MiB); past it the memo starts over.
+CHAIN_MEMO_MAX = 4096
+
 #: One observed lookup: its namespace, its tokens, the matches it was answered.
 Observed = tuple[BlendNamespace, np.ndarray, Sequence[BlendMatch]]
 
@@ -61,6 +65,9 @@ class ReuseMetrics:
         self._totals: dict[str, list[int]] = {}  # model -> [lookups, query_tokens, prefix, non_prefix]
         self._series: dict[str, tuple[Any, ...]] = {}  # model label -> its resolved children
         self._failed = False
+        #: (previous chained hash or None, the match's chunk hash) -> (the chunk's tokens as
+        #: bytes, its chained hash): recurring prefixes (system prompts) are hashed once.
+        self._chain: dict[tuple[bytes | None, bytes], tuple[bytes, bytes]] = {}
         self.query_tokens = Counter("blendmatch_reuse_query_tokens", "tokens of the blend lookups observed",
                                     ["model"], registry=registry)
         self.tokens = Counter("blendmatch_reuse_tokens", "lookup tokens covered by non-overlapping matches, "
@@ -86,12 +93,35 @@ class ReuseMetrics:
             run += 1
         if run == 0:
             return 0
-        hashes = self._hasher.chunk_hashes(tokens, end=run * c)
-        return leading_held([bool(p) for p in self._directory().namespace_placements(hashes, ns)])
+        return leading_held(self._directory().namespace_holds(self._chained(tokens, resolved[:run]), ns))
+
+    def _chained(self, tokens: np.ndarray, run: Sequence[BlendMatch]) -> list[bytes]:
+        """The request's chained hashes of the chunks under ``run`` (the matches at 0, C, ...),
+        as :meth:`TokenHasher.hash_chunk` gives them, remembered per (previous hash, matched
+        chunk hash) with the chunk's tokens: a remembered hash is used only for the very same
+        tokens, so the memo is exact (a chunk hash whose content changed is hashed again)."""
+        c = self._hasher.chunk_size
+        memo = self._chain
+        prev: bytes | None = None
+        out: list[bytes] = []
+        for j, m in enumerate(run):
+            window = tokens[j * c:(j + 1) * c]
+            raw = window.tobytes()
+            key = (prev, m.chunk_hash)
+            got = memo.get(key)
+            if got is None or got[0] != raw:
+                if len(memo) >= CHAIN_MEMO_MAX:
+                    memo.clear()
+                got = memo[key] = (raw, self._hasher.hash_chunk(window, prev))
+            prev = got[1]
+            out.append(prev)
+        return out
 
     def observe(self, lookups: Sequence[Observed]) -> None:
-        """Count a batch of answered lookups (lookup thread). Never raises into the batch
-        (its answers are already built): a failure is logged once and that batch uncounted."""
+        """Count a batch of answered lookups (on the lookup thread, after their answers are
+        built: a thread of its own measured slower, the GIL handing over on the answers'
+        path). Never raises into the batch: a failure is logged once and that batch
+        uncounted."""
         try:
             self._observe(lookups)
         except Exception:  # noqa: BLE001 - a metric must not fail the lookups it measures
@@ -108,7 +138,7 @@ class ReuseMetrics:
                 chunks = self.prefix_chunks(ns, tokens, resolved) if resolved else 0
             except ValueError:
                 chunks = 0
-            prefix, rest = reuse_split(resolved, chunks, c)
+            prefix, rest = reuse_split(resolved, chunks, c, resolved=True)
             rows.append((ns.model_name, int(tokens.shape[0]), prefix, rest))
         with self._lock:
             labelled = []
