@@ -104,3 +104,35 @@ def test_model_labels_are_bounded(monkeypatch):
     rm.observe([(BlendNamespace(f"m{i}"), tokens, []) for i in range(4)])
     assert sorted(rm.stats()["by_model"]) == ["__other__", "m0", "m1"]
     assert rm.stats()["by_model"]["__other__"]["lookups"] == 2
+
+
+def test_remembered_chain_hashes_are_used_only_for_the_same_tokens():
+    """The memo of chained hashes is keyed by the matched chunk hash, whose content can change
+    (a STORE of other tokens under the same hash): the new tokens are hashed again, so a
+    chunk that is no longer a prefix hit is not counted as one."""
+    from prometheus_client import CollectorRegistry
+
+    from blendmatch.index.key_directory import KeyDirectory
+    from blendmatch.index.token_hasher import TokenHasher
+    from blendmatch.index.types import BlendNamespace
+    from blendmatch.service.reuse_metrics import ReuseMetrics
+
+    d = KeyDirectory()
+    d.enable_blend_lookup(chunk_size=C, engine="reference")
+    hasher = TokenHasher("blake3", C)
+    rm = ReuseMetrics(CollectorRegistry(), lambda: d, hasher)
+    ns = BlendNamespace(MODEL)
+    old, new = ROWS[0], ROWS[1]
+    (h0,) = hasher.chunk_hashes(old)
+
+    def count(tokens: np.ndarray) -> tuple[int, int]:
+        before = rm.stats()
+        rm.observe([(ns, tokens, d.blend_match(tokens, ns))])
+        after = rm.stats()
+        return (after["prefix_tokens"] - before["prefix_tokens"],
+                after["non_prefix_tokens"] - before["non_prefix_tokens"])
+
+    d.apply(events(_store("A", 1, [h0], [old], [0])))
+    assert count(old) == (C, 0) and count(old) == (C, 0)  # the second one from the memo
+    d.apply(events(_store("A", 2, [h0], [new], [0])))  # same chunk hash, other tokens
+    assert d.blend_match(new, ns) and count(new) == (0, C)
