@@ -33,7 +33,7 @@ the service gathers matches, placements and prefix hashes (``service/routing.py`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Optional, Sequence
+from typing import Collection, NamedTuple, Optional, Sequence
 
 from .placement_rank import is_shared, resolve_overlaps
 from .placements import L1, Placement
@@ -42,21 +42,16 @@ from .types import BlendMatch
 __all__ = ["InstanceScore", "RouteScore", "l1_holders", "leading_held", "reuse_split", "route_score"]
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceScore:
-    """One row of ``POST /route/score``."""
+class InstanceScore(NamedTuple):
+    """One row of ``POST /route/score`` (a NamedTuple: built once per candidate per request)."""
 
     instance_id: str
     prefix_tokens: int
     fragment_tokens: int
-
-    @property
-    def reusable_tokens(self) -> int:
-        return self.prefix_tokens + self.fragment_tokens
+    reusable_tokens: int
 
     def as_wire(self) -> dict[str, object]:
-        return {"instance_id": self.instance_id, "prefix_tokens": self.prefix_tokens,
-                "fragment_tokens": self.fragment_tokens, "reusable_tokens": self.reusable_tokens}
+        return self._asdict()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +94,31 @@ def route_score(matches: Sequence[BlendMatch], match_placements: Sequence[Sequen
     goes past it). ``live``: the live instance ids (the default rows)."""
     if len(match_placements) != len(matches):
         raise ValueError(f"{len(match_placements)} placement lists for {len(matches)} matches")
-    prefix_holders = [l1_holders(pls, live) for pls in prefix_placements]
-    match_holders = [l1_holders(pls, live) for pls in match_placements]
     rows_for = sorted(live) if candidates is None else list(dict.fromkeys(candidates))
+    # one pass over the prefix chunks for every instance at once: the ones still extending
+    # their prefix, and where each one stopped
+    prefix_chunks: dict[str, int] = {}
+    extending = set(rows_for)
+    for j, pls in enumerate(prefix_placements):
+        if not extending:
+            break
+        held = l1_holders(pls, live)
+        for inst in extending - held:
+            prefix_chunks[inst] = j
+        extending &= held
+    for inst in extending:
+        prefix_chunks[inst] = len(prefix_placements)
+    # one pass over the matches: each instance's L1 matches, in the given order
+    mine: dict[str, list[BlendMatch]] = {}
+    for m, pls in zip(matches, match_placements):
+        for inst in l1_holders(pls, live):
+            mine.setdefault(inst, []).append(m)
     rows = []
     for inst in rows_for:
-        prefix = chunk_size * leading_held([inst in hs for hs in prefix_holders])
-        mine = [m for m, hs in zip(matches, match_holders) if inst in hs and m.cur_st >= prefix]
-        rows.append(InstanceScore(inst, prefix, _covered(mine, chunk_size)))
+        prefix = chunk_size * prefix_chunks[inst]
+        after = [m for m in mine.get(inst, ()) if m.cur_st >= prefix]
+        frag = _covered(after, chunk_size) if after else 0
+        rows.append(InstanceScore(inst, prefix, frag, prefix + frag))
     rows.sort(key=lambda r: (-r.reusable_tokens, r.instance_id))
     shared = [m for m, pls in zip(matches, match_placements) if any(is_shared(p.instance_id) for p in pls)]
     return RouteScore(_covered(shared, chunk_size), rows)

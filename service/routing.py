@@ -31,12 +31,13 @@ import numpy as np
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.placement_rank import rank_placements
 from blendmatch.index.registry import InstanceRegistry
-from blendmatch.index.route_score import l1_holders, route_score
+from blendmatch.index.route_score import RouteScore, l1_holders, route_score
 from blendmatch.index.token_hasher import TokenHasher
 from blendmatch.index.tokens import decode_query_tokens
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
-__all__ = ["PlacedMatches", "ScoreRequest", "encode_placed", "finish", "finish_many", "prefix_placements"]
+__all__ = ["PlacedMatches", "ScoreRequest", "encode_placed", "encode_score", "finish", "finish_many",
+           "prefix_placements"]
 
 #: Prefix chunks hashed in the first step; each further step doubles it (a request whose first
 #: chunk nobody holds costs one hash; a long prefix at most twice its length).
@@ -92,15 +93,16 @@ class PlacedMatches(_Finisher):
 
 
 def prefix_placements(directory: KeyDirectory, hasher: TokenHasher, tokens: np.ndarray, namespace: BlendNamespace,
-                      live: frozenset[str]) -> list[tuple[Any, ...]]:
+                      live: frozenset[str], first_step: int = _FIRST_STEP) -> list[tuple[Any, ...]]:
     """The namespace's placements of the request's leading prefix-chained chunks, up to and
     including the first chunk no live instance holds in L1 (or every full chunk): what
-    :func:`route_score` needs. Hashed in doubling steps, each chained to the last."""
+    :func:`route_score` needs. Hashed in doubling steps from ``first_step`` chunks, each
+    chained to the last (the step sizes change the work, never the answer)."""
     c = hasher.chunk_size
     total = hasher.num_chunks(int(tokens.shape[0]))
     out: list[tuple[Any, ...]] = []
     prev: Optional[bytes] = None
-    step = _FIRST_STEP
+    step = max(1, first_step)
     while len(out) < total:
         start = len(out)
         end = min(total, start + step)
@@ -126,9 +128,23 @@ class ScoreRequest(_Finisher):
 
     def __call__(self, matches: list[BlendMatch], tokens: np.ndarray) -> bytes:
         directory, live, stored = self.read(matches)
-        prefix = prefix_placements(directory, self.hasher, tokens, self.namespace, live)
-        score = route_score(matches, stored, prefix, self.hasher.chunk_size, live, self.candidates)
-        return json.dumps(score.as_wire(), separators=(",", ":")).encode()
+        # a stored chunk with its tokens is matched where it sits, so the matches' leading run
+        # from position 0 is where a prefix most likely ends: one step covers it
+        c = self.hasher.chunk_size
+        run = 0
+        while run < len(matches) and matches[run].cur_st == run * c:
+            run += 1
+        prefix = prefix_placements(directory, self.hasher, tokens, self.namespace, live, max(_FIRST_STEP, run + 1))
+        return encode_score(route_score(matches, stored, prefix, c, live, self.candidates))
+
+
+def encode_score(score: RouteScore) -> bytes:
+    """``POST /route/score``'s JSON bytes, formatted directly (instance ids escaped by
+    ``json.dumps``): a few times cheaper than ``json.dumps`` of the whole answer."""
+    rows = ",".join(f'{{"instance_id":{json.dumps(r.instance_id)},"prefix_tokens":{r.prefix_tokens},'
+                    f'"fragment_tokens":{r.fragment_tokens},"reusable_tokens":{r.reusable_tokens}}}'
+                    for r in score.instances)
+    return f'{{"shared_tokens":{score.shared_tokens},"instances":[{rows}]}}'.encode()
 
 
 async def finish(ctx: Any, query: tuple[Any, ...]) -> bytes:
