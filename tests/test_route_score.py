@@ -363,3 +363,25 @@ def test_the_worked_example_of_docs_routing_md():
         {"instance_id": "gpu-b", "prefix_tokens": 0, "fragment_tokens": 768, "reusable_tokens": 768},
         {"instance_id": "gpu-c", "prefix_tokens": 512, "fragment_tokens": 256, "reusable_tokens": 768},
         {"instance_id": "gpu-a", "prefix_tokens": 512, "fragment_tokens": 0, "reusable_tokens": 512}]}
+
+
+def test_score_with_blend_lookup_disabled_counts_prefixes_only():
+    """No blend index: no fragments, but the prefix (chained hashes in L1) still counts."""
+    rows = np.random.default_rng(3).integers(0, 50_000, size=(3, C), dtype=np.uint32)
+
+    async def go() -> Any:
+        async with served(config(enable_blend_lookup=False, health_check_interval=0)) as (client, app):
+            hashes = app.state.blendmatch_context.token_hasher.chunk_hashes(rows[:2].reshape(-1))
+            entries = [wire_entry(h, "m", pack_kv_rank(1), size_bytes=8, token_ids=rows[k].tolist(), token_offset=k * C)
+                       for k, h in enumerate(hashes)]
+            await client.post("/instances", json={"instance_id": "A", "ip": "10.0.0.1", "http_port": 1})
+            assert (await client.post("/events", json={"batches": [wire_batch("A", 1, "store", entries)]})
+                    ).status_code == 200
+            r = await client.post("/route/score", json={"tokens_b64": b64(rows.reshape(-1)), "model_name": "m"})
+            bad = await client.post("/route/score", json={"tokens_b64": "!!", "model_name": "m"})
+            return r, bad
+
+    r, bad = asyncio.run(go())
+    assert r.json() == {"shared_tokens": 0, "instances": [{"instance_id": "A", "prefix_tokens": 2 * C,
+                                                           "fragment_tokens": 0, "reusable_tokens": 2 * C}]}
+    assert bad.status_code == 422 and "tokens_b64" in bad.text
