@@ -7,6 +7,8 @@ micro-batcher (``ctx.lookup`` / ``ctx.lookup_many``), whose thread decodes ``tok
 (a string that does not decode is a 422 naming the field, e.g. ``body.queries.3.tokens_b64``)
 and encodes the answer, so no per-match model objects are built on the event loop. With
 blend lookup disabled every query answers ``{"matches": []}`` (bad input is still a 422).
+A query with ``include_placements`` (ours, issue 26) carries a finisher (``routing.py``) that
+the lookup thread runs in place of the plain encoding; without it the bytes are LMCache's.
 """
 
 from __future__ import annotations
