@@ -141,6 +141,14 @@ class InstanceRegistry:
         with self._lock:
             return list(self._instances)
 
+    def live_ids(self, now: Optional[float] = None) -> frozenset[str]:
+        """The instances that count as alive at ``now`` (default: the registry's clock):
+        registered and heard from within ``timeout_s`` (one :meth:`expire` would not remove).
+        Placement-aware answers serve only their copies (``placement_rank.py``)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            return frozenset(i for i, r in self._instances.items() if now - r.last_heartbeat <= self.timeout_s)
+
     def list(self) -> list[dict[str, Any]]:
         """Every instance as its ``GET /instances`` row, in registration order."""
         with self._lock:

@@ -152,6 +152,7 @@ ROUTE_POLICY: tuple[RouteRule, ...] = (
     # reader: blend lookups answer chunk hashes and positions, never token ids
     _rule("POST", "/directory/blend-lookup", "reader"),
     _rule("POST", "/directory/blend-lookup/batch", "reader"),
+    _rule("POST", "/route/score", "reader"),  # counts of tokens per instance: a lookup's information
     # admin: tenants' keys and token ids (prompt text), fleet membership, deletion, checkpoints
     _rule("POST", "/directory/lookup", "admin"),
     _rule("GET", "/directory/keys", "admin"),

@@ -48,6 +48,7 @@ from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
 from .event_source import EventSource, build_event_source
 from .metrics import ServiceMetrics
+from .reuse_metrics import ReuseMetrics
 from .upstream import Upstream
 
 __all__ = ["ServiceContext", "LookupQuery", "Ctx", "get_context", "build_directory"]
@@ -56,8 +57,10 @@ log = logging.getLogger("blendmatch.service")
 
 #: One lookup as the batcher carries it: (uint32 tokens, or a ``tokens_b64`` string, or that
 #: string's ASCII bytes as the fast path takes them out of the body, which the lookup thread
-#: decodes with the rest of its batch; namespace).
-LookupQuery = tuple["np.ndarray | str | bytes | memoryview", BlendNamespace]
+#: decodes with the rest of its batch; namespace), optionally followed by a finisher: a
+#: callable ``(matches, tokens) -> bytes`` answering in place of ``encode_matches``
+#: (``routing.py``: placements, the routing score).
+LookupQuery = tuple[Any, ...]
 
 T = TypeVar("T")
 
@@ -130,6 +133,8 @@ class ServiceContext:
         #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
         self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
                                         none_hash_seed=vllm_none_hash_seed(os.environ))
+        #: Reuse metrics (issue 26): prefix and non-prefix tokens per lookup, by model.
+        self.reuse = ReuseMetrics(self.metrics.registry, lambda: self.directory, self.token_hasher)
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
             cost=query_tokens,
@@ -353,8 +358,19 @@ class ServiceContext:
         ready = [i for i, err in enumerate(errors) if err is None]
         results, stats = index.match_flat(tokens, offsets, [queries[i][1] for i in ready])
         self.metrics.observe_match(stats)
-        for i, matches in zip(ready, results, strict=True):
-            out[i] = encode_matches(matches)
+        observed = []
+        for k, (i, matches) in enumerate(zip(ready, results, strict=True)):
+            query = queries[i]
+            if len(query) == 2 or query[2].lookup:
+                observed.append((query[1], tokens[offsets[k]:offsets[k + 1]], matches))
+            if len(query) == 2:
+                out[i] = encode_matches(matches)
+                continue
+            try:  # a finisher (service/routing.py: placements, the routing score)
+                out[i] = query[2](matches, tokens[offsets[k]:offsets[k + 1]])  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - that query's failure, not the batch's
+                out[i] = exc
+        self.reuse.observe(observed)
         return out
 
     # ------------------------------------------------------------------ events and reads
@@ -449,6 +465,7 @@ class ServiceContext:
                 snap[key] = blend[key]
         eng = self.engine_info()
         snap["engine"], snap["engine_reason"] = eng["name"], eng["reason"]
+        snap["ready"] = int(self.durability.readiness()[0] and self.fatal is None)
         return snap
 
     def stats(self) -> dict[str, Any]:
@@ -465,6 +482,7 @@ class ServiceContext:
         if self.kv_events is not None:
             ours["kv_events"] = self.kv_events.stats()
         ours["engine"] = self.engine_info()
+        ours["reuse"] = self.reuse.stats()
         ours["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
                            "max_batch_tokens": self.config.max_batch_tokens,
                            "max_batch_wait_ms": self.config.max_batch_wait_ms}

@@ -11,12 +11,14 @@ outside them and answers exactly the requests it can answer *identically*:
   events thread decodes, validates and applies the raw body; nothing is decoded on the
   loop), its errors answered by the app's handler functions. The framework stack cost
   more loop time per request than a 50-entry batch's decoding does;
-- ``POST /directory/blend-lookup`` and ``POST /directory/blend-lookup/batch`` whose body
+- ``POST /directory/blend-lookup``, ``POST /directory/blend-lookup/batch`` and ``POST
+  /route/score`` (issue 26) whose body
   has a ``Content-Length`` within the limit, a JSON content type, and parses and validates
   with the very models the routes use (``model_validate_json``: pydantic-core parses and
   validates in one pass, about twice as fast as ``json.loads`` plus validation, and it is at
   least as strict, so anything it refuses goes to the route), calling the very functions the
-  routes call (``routes_lookup.answer_lookup`` / ``answer_lookup_batch``).
+  routes call (``routes_lookup.answer_lookup`` / ``answer_lookup_batch``,
+  ``routes_route.answer_score``).
 
 Everything else, and every request whose body does not parse or validate (bad JSON, a
 schema error) or whose headers rule it out (no ``Content-Length``, or any header rule of
@@ -50,7 +52,8 @@ from .access import instance_filter
 from .http_rules import HEALTHZ_BODY, body_headers, body_rejection, read_body, replay, send_json
 from .routes_events import answer_events
 from .routes_lookup import answer_lookup, answer_lookup_batch
-from .schemas import BlendBatchLookupRequest, BlendLookupRequest
+from .routes_route import answer_score
+from .schemas import BlendBatchLookupRequest, BlendLookupRequest, BlendQuery, RouteScoreRequest
 
 __all__ = ["FastPath"]
 
@@ -72,6 +75,7 @@ class FastPath:
         self._posts: dict[str, tuple[type[BaseModel], _Answer]] = {
             "/directory/blend-lookup": (BlendLookupRequest, answer_lookup),
             "/directory/blend-lookup/batch": (BlendBatchLookupRequest, answer_lookup_batch),
+            "/route/score": (RouteScoreRequest, answer_score),  # issue 26: one query, as a lookup
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -151,7 +155,7 @@ def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
     is validated as sent. A single lookup that opens with ``tokens_b64`` has its string
     taken out the same way (``split_b64_value``); its bytes go to the lookup thread's
     decoder. Raises what validation raises."""
-    if model is BlendLookupRequest:
+    if issubclass(model, BlendQuery):  # one query: a lookup or a routing score
         taken = split_b64_value(body)
         if taken is not None:
             value, text = taken
@@ -159,7 +163,7 @@ def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
     arrays = split_token_arrays(body, placeholder="empty")
     if arrays is not None:
         parsed = model.model_validate_json(arrays.text)
-        if isinstance(parsed, BlendLookupRequest):
+        if isinstance(parsed, BlendQuery):
             if len(arrays) == 1 and parsed.token_ids is not None:
                 return parsed, arrays.row(0)
         else:

@@ -66,6 +66,7 @@ class _ScrapeCollector(Collector):
             "lookup_queue_depth": ("lookups waiting for a batch", "queue_depth"),
             "events_queue_depth": ("event requests waiting for the event thread", "events_queue_depth"),
             "instances_registered": ("MP server instances in the registry", "instances_registered"),
+            "ready": ("1 while GET /readyz answers ready (restored, event log lag within bounds)", "ready"),
         }
         for name, (doc, key) in gauges.items():
             value = snap.get(key)
