@@ -1,41 +1,41 @@
-"""``blendmatch loadtest``: drive a server over loopback and report what it sustains.
+"""blendmatch loadtest: drive a server over loopback and report what it sustains.
 
-What one run does (``blendmatch loadtest --spawn --compare``, the default):
+What one run does (blendmatch loadtest --spawn --compare, the default):
 
-1. for each server configuration, *batching* (the default ``--max-batch-tokens``) and
-   *no batching* (``--max-batch-tokens`` equal to one request's tokens), start
-   ``blendmatch serve`` as a subprocess on ``127.0.0.1`` (a free port);
-2. fill it with ``--chunks`` stored chunks through ``POST /events`` (STORE batches);
-3. measure, each phase ``--duration`` seconds with ``--clients`` concurrent closed-loop
+1. for each server configuration, "batching" (the default --max-batch-tokens) and
+   "no batching" (--max-batch-tokens equal to one request's tokens), start
+   blendmatch serve as a subprocess on 127.0.0.1 (a free port);
+2. fill it with --chunks stored chunks through POST /events (STORE batches);
+3. measure, each phase --duration seconds with --clients concurrent closed-loop
    clients on keep-alive connections:
-   - ``healthz``: ``GET /healthz``, the ceiling of this load generator plus the HTTP stack
+   - healthz: GET /healthz, the ceiling of this load generator plus the HTTP stack
      (only for the first configuration: it does not depend on batching);
-   - ``lookup``: ``POST /directory/blend-lookup`` with ``--tokens``-token queries
-     (``tokens_b64``), each containing ``--matches-per-query`` stored chunks;
-   - ``lookup+events``: the same while one more client streams STORE events at
-     ``--event-rate`` entries per second (``--event-batch`` entries per request);
+   - lookup: POST /directory/blend-lookup with --tokens-token queries
+     (tokens_b64), each containing --matches-per-query stored chunks;
+   - lookup+events: the same while one more client streams STORE events at
+     --event-rate entries per second (--event-batch entries per request);
 4. print one table: requests/s, tokens/s, p50/p99 latency, errors, and the mean batch the
-   server formed in that phase (from ``GET /directory/stats`` before and after).
+   server formed in that phase (from GET /directory/stats before and after).
 
-With ``--url http://127.0.0.1:PORT`` it measures a server you started instead (no
-comparison; it fills only with ``--fill``). Only loopback addresses are accepted, and every
-phase is bounded in time (``--duration``) and in count (``--max-requests``).
+With --url http://127.0.0.1:PORT it measures a server you started instead (no
+comparison; it fills only with --fill). Only loopback addresses are accepted, and every
+phase is bounded in time (--duration) and in count (--max-requests).
 
-Load generators (``--generator``, default ``auto``): **wrk** when it is installed (``apt-get
-install wrk``; a generated Lua script sends one pre-built body per request, rotating
-through ``--pool`` queries, and prints p50/p99/p99.9 from wrk's own histogram), because on
+Load generators (--generator, default auto): wrk when it is installed (apt-get
+install wrk; a generated Lua script sends one pre-built body per request, rotating
+through a pool of 64 queries, and prints p50/p99/p99.9 from wrk's own histogram), because on
 a 2-core machine a Python generator costs about as much CPU per request as the server and
-measures itself; otherwise the **python** client: raw asyncio sockets (HTTP/1.1
+measures itself; otherwise the python client: raw asyncio sockets (HTTP/1.1
 keep-alive, pre-encoded requests, uvloop when available), not httpx, which costs several
 times more. Every table row says which generator ran. wrk cannot check answers, so with
 wrk each query is checked once in the warm-up (it must return its stored chunks) and
-only the status is counted during the phase. The ``healthz`` row shows what the
-generator itself can reach. The event stream (``lookup+events``) is always the Python
+only the status is counted during the phase. The healthz row shows what the
+generator itself can reach. The event stream (lookup+events) is always the Python
 client, paced by the clock, running beside wrk.
 
 Also reported per phase: the server's CPU seconds per request (from
-``/proc/<pid>/stat`` of a spawned server: robust to other load on the machine) and the
-histogram of engine batch sizes the server formed (from ``/metrics``).
+/proc/<pid>/stat of a spawned server: robust to other load on the machine) and the
+histogram of engine batch sizes the server formed (from /metrics).
 """
 
 from __future__ import annotations
@@ -44,12 +44,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import signal
-import tempfile
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,114 +52,14 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from .loadgen import (Conn, closed_loop, get_request, percentile_ms, post_request, proc_cpu_s, spawn_server,
+                      stop_server, wrk_available, wrk_loop)
+
 __all__ = ["main", "spawn_server", "stop_server", "PhaseResult", "LOOPBACK_HOSTS"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MODEL = "loadtest-model"
 _FILL_BATCH = 2000  # entries per fill request (~3 MB of JSON at 256 tokens)
-
-
-# ---------------------------------------------------------------------- server process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def spawn_server(args: Sequence[str], *, log_path: str | os.PathLike | None = None,
-                 timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """Start ``blendmatch serve --host 127.0.0.1 --port <free> *args``; wait for /healthz.
-
-    Returns ``(process, base_url)``. Output goes to ``log_path`` (or is discarded). Raises
-    ``RuntimeError`` with the log's tail if the server exits or does not answer in time.
-    """
-    port = _free_port()
-    cmd = [sys.executable, "-m", "blendmatch", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
-    if log_path is not None:
-        with open(log_path, "wb") as out:  # the child keeps its own descriptor
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    else:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if s.recv(64).startswith(b"HTTP/1.1 200"):
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.1)
-    stop_server(proc)
-    tail = Path(log_path).read_text(errors="replace")[-2000:] if log_path is not None else ""
-    raise RuntimeError(f"server did not come up ({' '.join(cmd)}):\n{tail}")
-
-
-def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> int:
-    """SIGINT (uvicorn's graceful shutdown), then SIGKILL after ``timeout``; the exit code."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return int(proc.returncode)
-
-
-# ---------------------------------------------------------------------- raw HTTP client
-class Conn:
-    """One keep-alive HTTP/1.1 connection; requests are pre-encoded bytes."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def open(self) -> "Conn":
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 24)
-        sock = self.writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self
-
-    async def request(self, raw: bytes) -> tuple[int, bytes]:
-        if self.writer is None or self.reader is None:
-            await self.open()
-        assert self.writer is not None and self.reader is not None
-        self.writer.write(raw)
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        lower = head.lower()
-        i = lower.find(b"content-length:")
-        if i < 0:
-            raise RuntimeError(f"response without content-length: {head[:200]!r}")
-        n = int(lower[i + 15:lower.index(b"\r\n", i)])
-        body = await self.reader.readexactly(n) if n else b""
-        if b"connection: close" in lower:
-            await self.close()
-        return status, body
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            try:
-                await self.writer.wait_closed()
-            except OSError:
-                pass
-        self.reader = self.writer = None
-
-
-def _post(host: str, path: str, body: bytes) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-
-
-def _get(host: str, path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
 
 
 # ---------------------------------------------------------------------- workload
@@ -263,44 +157,6 @@ class PhaseResult:
     batch_histogram: dict[str, int] = field(default_factory=dict)
 
 
-async def _closed_loop(host: str, port: int, requests: list[bytes], clients: int, duration: float,
-                       max_requests: int, check: Any = None) -> tuple[list[float], int, float]:
-    """``clients`` connections, each sending requests back to back until time or count runs
-    out. Returns (latencies in s, errors, wall seconds)."""
-    latencies: list[float] = []
-    errors = 0
-    budget = [max_requests]
-    conns = [await Conn(host, port).open() for _ in range(clients)]
-    t_end = time.perf_counter() + duration
-
-    async def one(ci: int) -> None:
-        nonlocal errors
-        conn = conns[ci]
-        k = ci
-        n = len(requests)
-        while time.perf_counter() < t_end and budget[0] > 0:
-            budget[0] -= 1
-            raw = requests[k % n]
-            k += clients
-            t0 = time.perf_counter()
-            try:
-                status, body = await conn.request(raw)
-            except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError):
-                errors += 1
-                await conn.close()
-                continue
-            latencies.append(time.perf_counter() - t0)
-            if status != 200 or (check is not None and not check(body)):
-                errors += 1
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(clients)))
-    wall = time.perf_counter() - t0
-    for c in conns:
-        await c.close()
-    return latencies, errors, wall
-
-
 async def _event_stream(host: str, port: int, rate: float, batch: int, chunk_size: int, stop: asyncio.Event,
                         first_id: int, seed: int) -> tuple[int, list[float], int]:
     """STORE events at ``rate`` entries/s in requests of ``batch`` entries, paced by the
@@ -323,7 +179,7 @@ async def _event_stream(host: str, port: int, rate: float, batch: int, chunk_siz
     while not stop.is_set():
         body = _events_body(instance, seq, [_entry_text(i + j, "%d,%s" % ((i + j) % 4_000_000_000, tails[(i + j) % 1024]), 0)
                                             for j in range(batch)])
-        raw = _post(host, "/events", body)
+        raw = post_request(host, "/events", body)
         delay = next_at - time.perf_counter()
         if delay > 0:
             try:
@@ -347,87 +203,6 @@ async def _event_stream(host: str, port: int, rate: float, batch: int, chunk_siz
     return sent, lat, errors
 
 
-def _pct(lat: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(lat), q) * 1e3) if lat else float("nan")
-
-
-WRK_LUA = r"""
--- generated by blendmatch loadtest: one pre-built request per body line, rotating
-local threads = {}
-function setup(thread) thread:set("tid", #threads); table.insert(threads, thread) end
-function init(args)
-  requests = {}
-  local method = args[2]
-  for line in io.lines(args[1]) do
-    if #line > 0 then
-      if method == "GET" then requests[#requests + 1] = wrk.format("GET", args[3])
-      else requests[#requests + 1] = wrk.format("POST", args[3], {["Content-Type"] = "application/json"}, line) end
-    end
-  end
-  idx = tid % #requests
-end
-function request() idx = idx % #requests + 1; return requests[idx] end
-function response(status, headers, body) if status ~= 200 then bad = (bad or 0) + 1 end end
-function done(s, lat, r)
-  local b = 0
-  for _, t in ipairs(threads) do b = b + (t:get("bad") or 0) end
-  io.write(string.format('WRKJSON {"requests": %d, "seconds": %.6f, "p50_us": %d, "p99_us": %d, "p999_us": %d, ' ..
-    '"max_us": %d, "non200": %d, "socket_errors": %d}\n', s.requests, s.duration / 1e6, lat:percentile(50),
-    lat:percentile(99), lat:percentile(99.9), lat.max, b,
-    s.errors.connect + s.errors.read + s.errors.write + s.errors.timeout))
-end
-"""
-
-
-def wrk_available() -> bool:
-    return shutil.which("wrk") is not None
-
-
-def _request_body(raw: bytes) -> tuple[str, str, bytes]:
-    """(method, path, body) of a pre-encoded request."""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    method, path, _ = head.split(b"\r\n", 1)[0].split(b" ", 2)
-    return method.decode(), path.decode(), body
-
-
-async def _wrk_loop(host: str, port: int, requests: list[bytes], clients: int,
-                    duration: float) -> tuple[dict[str, Any], float]:
-    """Run wrk (one thread, ``clients`` connections) over ``requests``; (its JSON, wall s)."""
-    method, path, _ = _request_body(requests[0])
-    with tempfile.TemporaryDirectory(prefix="blendmatch-wrk-") as tmp:
-        bodies = Path(tmp) / "bodies.jsonl"
-        with open(bodies, "wb") as f:
-            for raw in requests:
-                body = _request_body(raw)[2] or b"-"
-                if b"\n" in body:
-                    raise ValueError("wrk bodies must be one line each")
-                f.write(body + b"\n")
-        script = Path(tmp) / "bodies.lua"
-        script.write_text(WRK_LUA)
-        cmd = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(duration))}s", "--timeout", "5s", "-s", str(script),
-               f"http://{host}:{port}", "--", str(bodies), method, path]
-        t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        out, err = await proc.communicate()
-        wall = time.perf_counter() - t0
-    for line in out.decode(errors="replace").splitlines():
-        if line.startswith("WRKJSON "):
-            return json.loads(line[8:]), wall
-    raise RuntimeError(f"wrk printed no result (rc {proc.returncode}): {out[-500:]!r} {err[-500:]!r}")
-
-
-def _proc_cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _snapshot(host: str, port: int, replica: Any = None, tries: int = 12
                     ) -> tuple[dict[str, Any], dict[str, float]] | None:
     """``(/directory/stats, batch buckets)`` read over one connection, so both come from the
@@ -437,11 +212,11 @@ async def _snapshot(host: str, port: int, replica: Any = None, tries: int = 12
     for _ in range(tries):
         conn = await Conn(host, port).open()
         try:
-            status, body = await conn.request(_get(host, "/directory/stats"))
+            status, body = await conn.request(get_request(host, "/directory/stats"))
             if status != 200:
                 raise RuntimeError(f"/directory/stats answered {status}: {body[:200]!r}")
             stats = json.loads(body)
-            mstatus, mbody = await conn.request(_get(host, "/metrics"))
+            mstatus, mbody = await conn.request(get_request(host, "/metrics"))
         finally:
             await conn.close()
         if replica is None or _replica_of(stats) == replica:
@@ -495,17 +270,17 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
     if event_rate > 0:
         stream = asyncio.create_task(_event_stream(host, port, event_rate, event_batch, chunk_size, stop,
                                                    event_first_id, seed=event_first_id & 0xFFFF))
-    cpu0 = _proc_cpu_s(server_pid)
+    cpu0 = proc_cpu_s(server_pid)
     if generator == "wrk":
-        got, wall = await _wrk_loop(host, port, requests, clients, duration)
+        got, wall = await wrk_loop(host, port, requests, clients, duration)
         n, wall = int(got["requests"]), float(got["seconds"]) or wall
         errors = int(got["non200"]) + int(got["socket_errors"])
         pct = (got["p50_us"] / 1e3, got["p99_us"] / 1e3, got["max_us"] / 1e3, got["p999_us"] / 1e3)
     else:
-        lat, errors, wall = await _closed_loop(host, port, requests, clients, duration, max_requests, check)
+        lat, errors, wall = await closed_loop(host, port, requests, clients, duration, max_requests, check)
         n = len(lat)
-        pct = (_pct(lat, 50), _pct(lat, 99), _pct(lat, 100), _pct(lat, 99.9))
-    cpu1 = _proc_cpu_s(server_pid)
+        pct = (percentile_ms(lat, 50), percentile_ms(lat, 99), percentile_ms(lat, 100), percentile_ms(lat, 99.9))
+    cpu1 = proc_cpu_s(server_pid)
     stop.set()
     sent, ev_lat, ev_err = await stream if stream is not None else (0, [], 0)
     res = PhaseResult(config, phase, clients, n, errors, wall, n / wall, n * tokens / wall, pct[0], pct[1], pct[2],
@@ -522,7 +297,7 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
         res.mean_batch = (b1["queries"] - b0["queries"]) / batches if batches else None
     if stream is not None:
         res.events_sent, res.event_entries_per_s = sent, sent / wall
-        res.event_p99_ms, res.event_errors = _pct(ev_lat, 99), ev_err
+        res.event_p99_ms, res.event_errors = percentile_ms(ev_lat, 99), ev_err
     return res
 
 
@@ -532,7 +307,7 @@ async def fill(host: str, port: int, workload: Workload, per_request: int = _FIL
     t0 = time.perf_counter()
     try:
         for body in workload.fill_bodies(per_request=per_request):
-            status, resp = await conn.request(_post(host, "/events", body))
+            status, resp = await conn.request(post_request(host, "/events", body))
             if status != 200:
                 raise RuntimeError(f"fill failed: {status} {resp[:300]!r}")
     finally:
@@ -552,7 +327,7 @@ def _lookup_requests(host: str, workload: Workload, token_form: str = "b64") -> 
         else:
             body = json.dumps({"tokens_b64": base64.b64encode(q.astype("<u4").tobytes()).decode(),
                                "model_name": MODEL}).encode()
-        reqs.append(_post(host, "/directory/blend-lookup", body))
+        reqs.append(post_request(host, "/directory/blend-lookup", body))
     return reqs
 
 
@@ -578,13 +353,13 @@ async def _measure(url: str, config_name: str, args: argparse.Namespace, workloa
     common = dict(clients=args.clients, max_requests=args.max_requests, chunk_size=workload.chunk_size,
                   generator=args.generator, server_pid=server_pid)
     # warm-up: every query once, checked (also pays any first-use cost)
-    lat, errors, _ = await _closed_loop(host, port, requests, min(args.clients, len(requests)), 60.0,
+    lat, errors, _ = await closed_loop(host, port, requests, min(args.clients, len(requests)), 60.0,
                                         len(requests), check)
     if errors:
         raise RuntimeError(f"[{config_name}] warm-up lookups failed or missed their stored chunks ({errors})")
     if healthz and getattr(args, "healthz", True):
         results.append(await run_phase(host, port, config=config_name, phase="healthz",
-                                       requests=[_get(hosthdr, "/healthz")], tokens=0,
+                                       requests=[get_request(hosthdr, "/healthz")], tokens=0,
                                        duration=min(args.duration, 5.0), **common))
         print(_row(results[-1]), flush=True)
     results.append(await run_phase(host, port, config=config_name, phase="lookup", requests=requests,

@@ -5,6 +5,13 @@ nothing else of the project. It holds THE fingerprint (``fingerprint``), the bat
 the engine contract (``engine``), the engines (``reference``, ``cpu``, ``xp_probe``,
 ``cupy_engine``) and their selection with the GPU -> CPU failover (``select``). Nothing
 here imports ``cupy`` at module level; ``cupy_engine`` imports it inside its functions.
+
+Why the CPU engine and the numpy oracle live in a room named ``gpu``: the room is the
+probe-engine room, named for the work it exists to accelerate. Every engine implements one
+contract (``engine.Engine``) and must agree with the others bit for bit, so all of them sit
+beside that contract: one conformance suite runs against each, and ``select`` can fail over
+from the GPU to the CPU engine (and the self-test compare against the oracle) without
+importing from a room above. Nothing in this room needs a GPU to import or to run.
 """
 
 from .batch import Candidates, QueryBatch, count_windows

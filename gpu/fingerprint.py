@@ -3,7 +3,7 @@
 Question answered: "which 64-bit value names this window of ``C`` tokens, and where does
 that value live in the slot array?"
 
-Definition (DESIGN.md section 3, LMCache's blend-index constant, bit-exact)::
+Definition (LMCache's blend-index constant, bit-exact; docs/architecture.md, the rooms table)::
 
     F(x_0..x_{C-1}) = sum_i x_i * B^(C-1-i)  mod 2^64,   B = 0x9E3779B97F4A7C15
 

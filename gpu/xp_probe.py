@@ -18,7 +18,8 @@ The batch algorithm (one batch, a constant number of array operations, no per-qu
    its global start is ``qstart[q] + cur_st``. Enumerating ``w`` in order enumerates
    ``(query, cur_st)`` in ascending order, which is the order the contract asks for.
 4. **Probe**: ``fp = H[start]``; ``slot, tag = fingerprint.slots_and_tags(fp)``;
-   ``v = table[slot]``; ``keep = (v == tag) | (v == 255)`` (DESIGN.md section 4).
+   ``v = table[slot]``; ``keep = (v == tag) | (v == 255)`` (the slot byte rule of ``index/slots.py``; a
+   window survives on its own tag or on a shared slot).
 5. **Compaction without nonzero**: ``pos = cumsum(keep)``; ``n = pos[-1]`` is read back (the
    one synchronisation of the batch). Survivor ``r`` is the window where ``pos`` first
    reaches ``r + 1``: ``searchsorted(pos, arange(1, n + 1), "left")`` -- a gather, so no

@@ -208,18 +208,54 @@ class KeyDirectory:
                 out.extend(group)
         return out
 
+    def namespace_placements(self, chunk_hashes: Iterable[bytes], namespace: BlendNamespace
+                             ) -> list[tuple[Placement, ...]]:
+        """Per chunk hash, the placements of its keys stored for ``namespace`` (every rank
+        and object group of that namespace, each copy as stored; empty for an unknown chunk
+        hash or one this namespace holds no key of): where the chunk a blend match offered
+        lives (issue 26; ranking and liveness: ``placement_rank.py``).
+
+        Takes no lock, on purpose: the lookup thread calls it (placements, the routing score,
+        the reuse metrics) and lookups never wait for ingest. Safe because a read here is one
+        dict ``get`` and one attribute read per chunk hash, and a binding's ``members`` is an
+        immutable tuple the store replaces whole (``bindings.py``): each chunk's answer is
+        its placements at some instant of the call, never a torn value. Chunks are not read
+        at one instant together (an event run may land between two of them), which is what
+        an answer that advises a router needs."""
+        bindings = self._store.bindings
+        out: list[tuple[Placement, ...]] = []
+        for h in chunk_hashes:
+            b = bindings.get(h)
+            if b is None:
+                out.append(())
+                continue
+            out.append(tuple(p for scope, placements in b.members if scope.namespace == namespace
+                             for p in placements))
+        return out
+
+    def namespace_holds(self, chunk_hashes: Iterable[bytes], namespace: BlendNamespace) -> list[bool]:
+        """Per chunk hash, whether ``namespace`` holds a key of it (any placement): what
+        :meth:`namespace_placements` would answer non-empty, without building the tuples
+        (the reuse metrics ask it for every prefix-hit lookup). Lock-free, for the same
+        reason and with the same guarantee."""
+        get = self._store.bindings.get
+        out: list[bool] = []
+        for h in chunk_hashes:
+            b = get(h)
+            held = False
+            if b is not None:
+                for scope, _ in b.members:
+                    if scope.namespace == namespace:
+                        held = True
+                        break
+            out.append(held)
+        return out
+
     def get_token_ids(self, chunk_hashes: Iterable[bytes]) -> list[Optional[np.ndarray]]:
         """The content bound to each chunk hash (uint32 copies the caller owns), or None
         when the chunk hash is unknown or no STORE carried its tokens yet."""
         with self._lock:
             return self._store.token_ids(chunk_hashes)
-
-    def get_token_offset(self, chunk_hash: bytes) -> Optional[int]:
-        """The binding's token offset (-1 unknown), or None for an unknown chunk hash (the
-        directory model test compares it with its naive model)."""
-        with self._lock:
-            b = self._store.bindings.get(chunk_hash)
-            return None if b is None else b.offset
 
     @property
     def _l1_chunks(self) -> dict[str, set[bytes]]:

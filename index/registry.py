@@ -141,6 +141,14 @@ class InstanceRegistry:
         with self._lock:
             return list(self._instances)
 
+    def live_ids(self, now: Optional[float] = None) -> frozenset[str]:
+        """The instances that count as alive at ``now`` (default: the registry's clock):
+        registered and heard from within ``timeout_s`` (one :meth:`expire` would not remove).
+        Placement-aware answers serve only their copies (``placement_rank.py``)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            return frozenset(i for i, r in self._instances.items() if now - r.last_heartbeat <= self.timeout_s)
+
     def list(self) -> list[dict[str, Any]]:
         """Every instance as its ``GET /instances`` row, in registration order."""
         with self._lock:
@@ -172,13 +180,18 @@ class InstanceRegistry:
         with self._lock:
             return [(i, r.last_heartbeat) for i, r in self._instances.items() if now - r.last_heartbeat > self.timeout_s]
 
-    def expire_instance(self, instance_id: str) -> bool:
-        """Remove one instance as expired (an applied expiry fence); whether it was here."""
+    def expire_instance(self, instance_id: str, *, last_heartbeat: Optional[float] = None) -> bool:
+        """Remove one instance as expired (an applied expiry fence); whether it was here.
+        With ``last_heartbeat`` (from :meth:`stale`), only if no heartbeat came since."""
         with self._lock:
-            gone = self._instances.pop(instance_id, None) is not None
+            record = self._instances.get(instance_id)
+            gone = record is not None and (last_heartbeat is None or record.last_heartbeat == last_heartbeat)
+            if gone:
+                del self._instances[instance_id]
             self.expirations += gone
         if gone:
-            log.warning("instance %s expired by the fleet's reaper (its L1 placements are fenced)", instance_id)
+            log.warning("instance %s sent no heartbeat for more than %g s: expired (its L1 placements are fenced)",
+                        log_safe(instance_id), self.timeout_s)
         return gone
 
     def usage(self, directory: "KeyDirectory", instance_id: Optional[str] = None) -> Optional[dict[str, Any]]:

@@ -24,7 +24,7 @@ WHL="$REPO/.whl"
 # what the H200 image lacks (docs/performance.md, "GPU engine"); the image has numpy, numba,
 # httpx, prometheus-client, pytest, hypothesis, uvloop, tqdm, anyio, h11, ... and CuPy 14 (click is
 # there too, but the dry-run environment lacks it, so it is carried)
-DEVICE_MISSING=(pydantic fastapi uvicorn httptools blake3 cbor2)
+DEVICE_MISSING=(pydantic fastapi uvicorn httptools blake3 cbor2 pybase64)
 IMAGE_HAS_RE='^(anyio|idna|sniffio|h11|typing_extensions|certifi|httpcore|httpx|packaging|uvloop|numpy)-'
 # the image-shaped environment of --dry-run (kept outside the clone, reused between clones)
 IMAGE_PACKAGES=(numpy numba httpx prometheus-client pytest hypothesis uvloop tqdm packaging)

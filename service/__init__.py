@@ -20,7 +20,9 @@ _EXPORTS: dict[str, str] = {
     "BlendClient": "client",
     "BlendClientError": "client",
     "BlendCoordinatorClient": "client",
+    "MatchPlacement": "client",
     "PENDING": "client",
+    "PlacedMatch": "client",
     "ServiceConfig": "config",
     "create_app": "app",
     "resolve_overlaps": "client",
@@ -34,5 +36,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:
     from .app import create_app
-    from .client import PENDING, AsyncBlendClient, BlendClient, BlendClientError, BlendCoordinatorClient, resolve_overlaps
+    from .client import (PENDING, AsyncBlendClient, BlendClient, BlendClientError, BlendCoordinatorClient,
+                         MatchPlacement, PlacedMatch, resolve_overlaps)
     from .config import ServiceConfig

@@ -84,6 +84,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blendmatch.index.logsafe import log_safe
 
+from .http_rules import json_body, send_json
+
 import tomllib
 
 __all__ = [
@@ -150,6 +152,7 @@ ROUTE_POLICY: tuple[RouteRule, ...] = (
     # reader: blend lookups answer chunk hashes and positions, never token ids
     _rule("POST", "/directory/blend-lookup", "reader"),
     _rule("POST", "/directory/blend-lookup/batch", "reader"),
+    _rule("POST", "/route/score", "reader"),  # counts of tokens per instance: a lookup's information
     # admin: tenants' keys and token ids (prompt text), fleet membership, deletion, checkpoints
     _rule("POST", "/directory/lookup", "admin"),
     _rule("GET", "/directory/keys", "admin"),
@@ -350,10 +353,6 @@ class AccessPolicy:
                 f"allowlist entries; grants per role {json.dumps(dict(sorted(roles.items())))}; loopback has "
                 f"only what the file grants")
 
-    def peer_grants(self, host: Any) -> tuple[Grant, ...]:
-        """What the peer address alone grants (cached per address)."""
-        return self.peer_access(host)[0]
-
     def peer_access(self, host: Any) -> tuple[tuple[Grant, ...], frozenset[str]]:
         """``(grants, union of their roles)`` of a peer address; computed once per address."""
         key = host if isinstance(host, str) else ""
@@ -525,11 +524,7 @@ class AccessControl:
                      headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         if self._on_reject is not None:
             self._on_reject(status)
-        body = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, json_body({"detail": detail}), headers)
 
 
 def _bearer(scope: Scope) -> str | None:

@@ -19,14 +19,14 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import blendmatch
 from blendmatch.index.wire import INT64_MAX
 from blendmatch.index.wire_models import EventRequestModel
 from blendmatch.index.key_directory import KeyDirectory
 
-from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops, routes_proxy
+from . import routes_directory, routes_events, routes_instances, routes_lookup, routes_ops, routes_proxy, routes_route
 from .access import AccessControl, AccessPolicy, rule_for
 from .config import ServiceConfig
 from .context import ServiceContext
@@ -37,7 +37,8 @@ from .middleware import BodyLimitMiddleware
 __all__ = ["create_app", "build_openapi", "JSON_BODY_PATHS"]
 
 #: POST routes whose body must be ``Content-Type: application/json`` (else 415).
-JSON_BODY_PATHS = ("/events", "/directory/blend-lookup", "/directory/blend-lookup/batch", "/directory/lookup")
+JSON_BODY_PATHS = ("/events", "/directory/blend-lookup", "/directory/blend-lookup/batch", "/directory/lookup",
+                   "/route/score")
 
 _DESCRIPTION = """\
 Fragment lookups for KV-cache reuse over an LMCache cache-event stream.
@@ -46,7 +47,8 @@ LMCache-compatible: `POST /events`, `POST /directory/blend-lookup`, `POST /direc
 (keys form), `GET /directory/keys`, `GET /directory/stats`, the instance registry
 (`POST /instances`, `PUT /instances/{instance_id}/heartbeat`, `GET /instances`,
 `DELETE /instances/{instance_id}`, `GET /instances/usage`, `GET /instances/{instance_id}/usage`),
-`GET /healthz`. Ours: `POST /directory/blend-lookup/batch`, `GET /metrics` (Prometheus).
+`GET /healthz`. Ours: `POST /directory/blend-lookup/batch`, `POST /route/score` (which instance
+should serve a request: docs/routing.md), `GET /metrics` (Prometheus).
 Errors: 422 for schema errors, 413 for limits, always `{"detail": "..."}` naming the field.
 Access: protected by default (loopback peers only); roles, API keys and CIDR allowlists come
 from `--access-file` (401 for an unknown key, 403 for a missing role). See docs/security.md.
@@ -72,8 +74,11 @@ class _BlendApp(FastAPI):
         entry = self._entry
         if entry is None:
             context: ServiceContext = self.state.blendmatch_context
-            fast = FastPath(super().__call__, context=context, limit=int(context.config.max_body_bytes))
-            entry = self._entry = AccessControl(fast, self.state.blendmatch_access,
+            inner: ASGIApp = super().__call__
+            if self.state.blendmatch_fast_path:
+                inner = FastPath(inner, context=context, limit=int(context.config.max_body_bytes),
+                                 json_paths=frozenset(JSON_BODY_PATHS))
+            entry = self._entry = AccessControl(inner, self.state.blendmatch_access,
                                                 on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
         return entry
 
@@ -85,10 +90,12 @@ class _BlendApp(FastAPI):
 
 
 def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory | None = None,
-               access: AccessPolicy | None = None) -> FastAPI:
+               access: AccessPolicy | None = None, fast_path: bool = True) -> FastAPI:
     """A ready-to-serve app. ``directory``: use this one (tests) instead of building one.
     ``access``: this policy instead of the one ``config.access_file`` names (protected mode when
-    it names none); a bad access file raises ``AccessFileError`` here, before serving."""
+    it names none); a bad access file raises ``AccessFileError`` here, before serving.
+    ``fast_path=False``: every request through the FastAPI stack (the test that holds the
+    fast path to the routes' answers, byte for byte; never slower to be wrong, only slower)."""
     config = config or ServiceConfig()
     if access is None:
         access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
@@ -106,11 +113,12 @@ def create_app(config: ServiceConfig | None = None, *, directory: KeyDirectory |
                     lifespan=lifespan)
     app.state.blendmatch_context = context
     app.state.blendmatch_access = access
+    app.state.blendmatch_fast_path = fast_path
     install_error_handlers(app, context.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=int(config.max_body_bytes),
                        on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc(),
                        json_paths=JSON_BODY_PATHS)
-    for module in (routes_lookup, routes_events, routes_directory, routes_instances, routes_ops):
+    for module in (routes_lookup, routes_route, routes_events, routes_directory, routes_instances, routes_ops):
         # Flattened into the app's own route list rather than include_router(): recent
         # FastAPI versions match included routers through an extra layer per router, which
         # cost about half of a trivial request's time. The routes are the same objects.

@@ -2,7 +2,7 @@
 
 Question answered: "how do N concurrent HTTP requests share one engine without the event
 loop ever doing the engine's work?" Every lookup (single or batch endpoint) becomes one
-:class:`_Pending` item with its own future. One worker task owns the queue:
+:class:`_QueuedItem` with its own future. One worker task owns the queue:
 
 1. it sleeps until the queue is non-empty;
 2. with ``max_batch_wait_s > 0`` it waits until the budget is full or the *oldest* queued
@@ -90,7 +90,9 @@ class BatcherStats:
 
 
 @dataclass(eq=False)
-class _Pending(Generic[P, R]):
+class _QueuedItem(Generic[P, R]):
+    """One lookup waiting in the batcher's queue: its payload, token cost and future."""
+
     payload: P
     cost: int
     future: "asyncio.Future[R]"
@@ -137,9 +139,9 @@ class MicroBatcher(Generic[P, R]):
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"blendmatch-{name}",
                                                         initializer=thread_initializer)
         self.name = name
-        self._queue: deque[_Pending[P, R]] = deque()
+        self._queue: deque[_QueuedItem[P, R]] = deque()
         self._queued_cost = 0
-        self._inflight: list[_Pending[P, R]] = []
+        self._inflight: list[_QueuedItem[P, R]] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._closed = False
@@ -220,7 +222,7 @@ class MicroBatcher(Generic[P, R]):
             raise ServiceUnavailable(f"{self.name} batcher is not running")
         cost = int(self._cost(payload))
         fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(payload, cost, fut))
+        self._queue.append(_QueuedItem(payload, cost, fut))
         self._queued_cost += cost
         self._wakeup.set()
         return fut
@@ -315,9 +317,9 @@ class MicroBatcher(Generic[P, R]):
             except asyncio.TimeoutError:
                 return
 
-    def _take(self) -> tuple[list[_Pending[P, R]], int]:
+    def _take(self) -> tuple[list[_QueuedItem[P, R]], int]:
         """Pop the next batch: live items in arrival order within the token budget."""
-        batch: list[_Pending[P, R]] = []
+        batch: list[_QueuedItem[P, R]] = []
         dropped = 0
         used = 0
         queue = self._queue

@@ -39,12 +39,14 @@ import logging
 import math
 import socket
 import threading
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
 from urllib.parse import quote
 
 import httpx
 import numpy as np
 
+from blendmatch.index.placement_rank import best_rank
+from blendmatch.index.placement_rank import resolve_overlaps as _resolve
 from blendmatch.index.tokens import encode_tokens
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
@@ -58,6 +60,8 @@ __all__ = [
     "BlendConnectionError",
     "BlendCoordinatorClient",
     "BlendHTTPError",
+    "MatchPlacement",
+    "PlacedMatch",
     "RequestFn",
     "resolve_overlaps",
 ]
@@ -105,27 +109,47 @@ class BlendConnectionError(BlendClientError):
     """The request got no answer (connection refused, reset, timed out)."""
 
 
-def resolve_overlaps(matches: Iterable[BlendMatch], chunk_size: int = 256) -> list[BlendMatch]:
-    """Non-overlapping matches, chosen greedily by ascending ``cur_st``.
+class MatchPlacement(NamedTuple):
+    """One usable copy of a matched chunk (``include_placements``); ``instance_id ""`` is a
+    shared pool."""
 
-    A match covers query positions ``[cur_st, cur_st + chunk_size)``. Walking matches in
-    ascending ``cur_st`` (ties keep their given order, i.e. the server's: the first-indexed
-    occupant wins), a match is kept iff it starts at or after the end of the last kept one.
-    Because every match has the same length, this leftmost-greedy rule keeps the largest
-    possible number of non-overlapping chunks (the classic interval-scheduling argument),
-    and it is the rule LMCache's blend path applies. The result is in ascending ``cur_st``.
-    Input order does not need to be sorted. ``chunk_size`` must be the server's.
+    instance_id: str
+    tier: str
+    backend: str
+
+
+class PlacedMatch(NamedTuple):
+    """A :class:`BlendMatch`'s three fields (same positions) plus its usable copies, best
+    first for the requester (the server ranks them: ``index/placement_rank.py``)."""
+
+    chunk_hash: bytes
+    old_st: int
+    cur_st: int
+    placements: tuple[MatchPlacement, ...]
+
+
+def resolve_overlaps(matches: Iterable[Any], chunk_size: int = 256, *, prefer_placement: bool = False,
+                     requester_instance_id: str | None = None) -> list[Any]:
+    """Non-overlapping matches, in ascending ``cur_st``: the one rule
+    (``blendmatch.index.placement_rank.resolve_overlaps``).
+
+    Default: leftmost first (walking by ascending ``cur_st``, ties in the server's order, a
+    match is kept iff it starts at or after the end of the last kept one); every match has
+    the same length, so this keeps the most chunks, and it is LMCache's blend rule.
+    ``prefer_placement`` (matches from a lookup with ``include_placements``, i.e.
+    :class:`PlacedMatch`): of two overlapping matches the better-placed wins (its best copy
+    is the requester's own L1, then another instance's L1, then a shared pool, then an
+    instance's L2; ``requester_instance_id`` says whose L1 is "own"); equally placed ones
+    fall back to leftmost first. It may keep fewer chunks than the default.
+    ``chunk_size`` must be the server's.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    ordered = sorted(matches, key=lambda m: m.cur_st)  # stable: ties keep their order
-    out: list[BlendMatch] = []
-    end = None
-    for m in ordered:
-        if end is None or m.cur_st >= end:
-            out.append(m)
-            end = m.cur_st + chunk_size
-    return out
+    if not prefer_placement:
+        return _resolve(matches, chunk_size)
+
+    def rank(m: Any) -> int:
+        return best_rank([(p.instance_id, p.tier) for p in getattr(m, "placements", ())], requester_instance_id)
+
+    return _resolve(matches, chunk_size, rank=rank)
 
 
 # ---------------------------------------------------------------------- shared wire code
@@ -142,9 +166,34 @@ def _namespace(model_name: Any, world_size: int, cache_salt: str) -> BlendNamesp
 
 
 def _matches(payload: Mapping[str, Any]) -> list[BlendMatch]:
-    """The matches of one answer; a malformed answer raises (KeyError, TypeError, ValueError)."""
-    return [BlendMatch(bytes.fromhex(m["chunk_hash"]), int(m["old_st"]), int(m["cur_st"]))
-            for m in payload["matches"]]
+    """The matches of one answer; a malformed answer raises (KeyError, TypeError, ValueError).
+    An answer with placements (``include_placements``) gives :class:`PlacedMatch` items."""
+    out: list[Any] = []
+    for m in payload["matches"]:
+        if "placements" in m:
+            out.append(PlacedMatch(bytes.fromhex(m["chunk_hash"]), int(m["old_st"]), int(m["cur_st"]),
+                                   tuple(MatchPlacement(str(p["instance_id"]), str(p["tier"]), str(p["backend"]))
+                                         for p in m["placements"])))
+        else:
+            out.append(BlendMatch(bytes.fromhex(m["chunk_hash"]), int(m["old_st"]), int(m["cur_st"])))
+    return out
+
+
+def _placement_options(body: dict[str, Any], include_placements: bool, requester_instance_id: str | None
+                       ) -> dict[str, Any]:
+    """``body`` with the opt-in placement fields (absent by default: LMCache's body as is)."""
+    if include_placements:
+        body["include_placements"] = True
+        if requester_instance_id is not None:
+            body["requester_instance_id"] = requester_instance_id
+    return body
+
+
+def _score_body(tokens: Any, namespace: BlendNamespace, candidates: Sequence[str] | None) -> dict[str, Any]:
+    body = _query_body(tokens, namespace)
+    if candidates is not None:
+        body["candidates"] = list(candidates)
+    return body
 
 
 def _results(payload: Mapping[str, Any]) -> list[list[BlendMatch]]:
@@ -170,8 +219,10 @@ def _check(response: httpx.Response) -> httpx.Response:
     return response
 
 
-def _queries(queries: Sequence[tuple[Any, BlendNamespace]]) -> dict[str, Any]:
-    return {"queries": [_query_body(t, as_namespace(ns)) for t, ns in queries]}
+def _queries(queries: Sequence[tuple[Any, BlendNamespace]], include_placements: bool = False,
+             requester_instance_id: str | None = None) -> dict[str, Any]:
+    return {"queries": [_placement_options(_query_body(t, as_namespace(ns)), include_placements, requester_instance_id)
+                        for t, ns in queries]}
 
 
 def _status_of(exc: BaseException) -> int | None:
@@ -325,20 +376,37 @@ class BlendClient:
 
     # ------------------------------------------------------------------ blocking calls
     def lookup(self, tokens: Any, model_name: str | BlendNamespace, *, world_size: int = 1,
-               cache_salt: str = "") -> list[BlendMatch]:
-        """Blend matches of one query (ascending ``cur_st``; may overlap)."""
-        body = _query_body(tokens, _namespace(model_name, world_size, cache_salt))
+               cache_salt: str = "", include_placements: bool = False,
+               requester_instance_id: str | None = None) -> list[BlendMatch]:
+        """Blend matches of one query (ascending ``cur_st``; may overlap). With
+        ``include_placements``: :class:`PlacedMatch` items, each with its usable copies ranked
+        for ``requester_instance_id`` (matches no live instance holds are left out)."""
+        body = _placement_options(_query_body(tokens, _namespace(model_name, world_size, cache_salt)),
+                                  include_placements, requester_instance_id)
         return _matches(self._call("POST", "/directory/blend-lookup", body))
 
-    def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]]) -> list[list[BlendMatch]]:
-        """Matches of many ``(tokens, namespace)`` queries in one request, in order."""
-        return _results(self._call("POST", "/directory/blend-lookup/batch", _queries(queries)))
+    def route_score(self, tokens: Any, model_name: str | BlendNamespace, *, world_size: int = 1,
+                    cache_salt: str = "", candidates: Sequence[str] | None = None) -> dict[str, Any]:
+        """``POST /route/score``: per instance, the request's tokens it could serve from its L1
+        (prefix and fragments), and the tokens any instance could fetch from a shared pool
+        (docs/routing.md)."""
+        body = _score_body(tokens, _namespace(model_name, world_size, cache_salt), candidates)
+        return self._call("POST", "/route/score", body)  # type: ignore[no-any-return]
+
+    def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]], *, include_placements: bool = False,
+                     requester_instance_id: str | None = None) -> list[list[BlendMatch]]:
+        """Matches of many ``(tokens, namespace)`` queries in one request, in order (with
+        ``include_placements``, as :meth:`lookup`'s, for every query)."""
+        body = _queries(queries, include_placements, requester_instance_id)
+        return _results(self._call("POST", "/directory/blend-lookup/batch", body))
 
     def post_events(self, batches: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, int]:
         """Send event batches (or a whole ``{"batches": ...}`` body); ``{applied, duplicates, stale}``."""
         return self._call("POST", "/events", _events_body(batches))
 
-    def fence_instance(self, instance_id: str) -> None:
+    def deregister_instance(self, instance_id: str) -> None:
+        """``DELETE /instances/{id}``: the instance left (its registration, event cursor and
+        declared capacity are dropped and its private L1 placements fenced)."""
         self._call("DELETE", f"/instances/{quote(instance_id, safe='')}")
 
     def stats(self) -> dict[str, Any]:
@@ -454,18 +522,28 @@ class AsyncBlendClient:
             raise BlendConnectionError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
 
     async def lookup(self, tokens: Any, model_name: str | BlendNamespace, *, world_size: int = 1,
-                     cache_salt: str = "") -> list[BlendMatch]:
-        body = _query_body(tokens, _namespace(model_name, world_size, cache_salt))
+                     cache_salt: str = "", include_placements: bool = False,
+                     requester_instance_id: str | None = None) -> list[BlendMatch]:
+        body = _placement_options(_query_body(tokens, _namespace(model_name, world_size, cache_salt)),
+                                  include_placements, requester_instance_id)
         return _matches((await self._request("POST", "/directory/blend-lookup", json=body)).json())
 
-    async def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]]) -> list[list[BlendMatch]]:
-        payload = (await self._request("POST", "/directory/blend-lookup/batch", json=_queries(queries))).json()
+    async def route_score(self, tokens: Any, model_name: str | BlendNamespace, *, world_size: int = 1,
+                          cache_salt: str = "", candidates: Sequence[str] | None = None) -> dict[str, Any]:
+        body = _score_body(tokens, _namespace(model_name, world_size, cache_salt), candidates)
+        return (await self._request("POST", "/route/score", json=body)).json()  # type: ignore[no-any-return]
+
+    async def lookup_batch(self, queries: Sequence[tuple[Any, BlendNamespace]], *, include_placements: bool = False,
+                           requester_instance_id: str | None = None) -> list[list[BlendMatch]]:
+        body = _queries(queries, include_placements, requester_instance_id)
+        payload = (await self._request("POST", "/directory/blend-lookup/batch", json=body)).json()
         return [_matches(r) for r in payload["results"]]
 
     async def post_events(self, batches: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, int]:
         return (await self._request("POST", "/events", json=_events_body(batches))).json()
 
-    async def fence_instance(self, instance_id: str) -> None:
+    async def deregister_instance(self, instance_id: str) -> None:
+        """``DELETE /instances/{id}`` (see :meth:`BlendClient.deregister_instance`)."""
         await self._request("DELETE", f"/instances/{quote(instance_id, safe='')}")
 
     async def stats(self) -> dict[str, Any]:

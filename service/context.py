@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -37,7 +36,6 @@ import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
-from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.token_hasher import TokenHasher, vllm_none_hash_seed
 from blendmatch.index.tokens import (TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count,
@@ -48,7 +46,9 @@ from .batcher import MicroBatcher
 from .config import ServiceConfig
 from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
+from .event_source import EventSource, build_event_source
 from .metrics import ServiceMetrics
+from .reuse_metrics import ReuseMetrics
 from .upstream import Upstream
 
 __all__ = ["ServiceContext", "LookupQuery", "Ctx", "get_context", "build_directory"]
@@ -57,8 +57,10 @@ log = logging.getLogger("blendmatch.service")
 
 #: One lookup as the batcher carries it: (uint32 tokens, or a ``tokens_b64`` string, or that
 #: string's ASCII bytes as the fast path takes them out of the body, which the lookup thread
-#: decodes with the rest of its batch; namespace).
-LookupQuery = tuple["np.ndarray | str | bytes | memoryview", BlendNamespace]
+#: decodes with the rest of its batch; namespace), optionally followed by a finisher: a
+#: callable ``(matches, tokens) -> bytes`` answering in place of ``encode_matches``
+#: (``routing.py``: placements, the routing score).
+LookupQuery = tuple[Any, ...]
 
 T = TypeVar("T")
 
@@ -126,11 +128,13 @@ class ServiceContext:
     def __init__(self, config: ServiceConfig, directory: KeyDirectory | None = None) -> None:
         self.config = config
         self.directory = directory if directory is not None else build_directory(config)
-        self.metrics = ServiceMetrics(snapshot=self.snapshot)
+        self.metrics = ServiceMetrics(gauge_values=self.gauge_values)
         #: The fleet's token hasher (``--hash-algorithm``; vLLM's functions seed NONE_HASH
         #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
         self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
                                         none_hash_seed=vllm_none_hash_seed(os.environ))
+        #: Reuse metrics (issue 26): prefix and non-prefix tokens per lookup, by model.
+        self.reuse = ReuseMetrics(self.metrics.registry, lambda: self.directory, self.token_hasher)
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
             cost=query_tokens,
@@ -147,14 +151,9 @@ class ServiceContext:
         self._reaper: asyncio.Task[None] | None = None
         self._events_executor: ThreadPoolExecutor | None = None
         self._serving = not config.refuse_lookups_until_ready
-        self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
-                                     require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
-                                     directory=lambda: self.directory, registry=self.metrics.registry)
-        # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
-        # goes into the checkpoint as its own section (declared capacities travel with the
-        # directory section).
-        self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
-        #: The Kafka event source (``--event-transport kafka``), or None for HTTP push.
+        #: The Kafka event source (``--event-transport kafka``), or None for HTTP push. Built
+        #: before ``durability``, which reads its lag; it reads ``durability.restored`` (and
+        #: ``fatal``) only once its threads run, after ``start``.
         self.source: Any = None
         if config.event_transport == "kafka":
             from .sources import build_kafka_source
@@ -162,10 +161,21 @@ class ServiceContext:
             self.source = build_kafka_source(config, directory=lambda: self.directory, registry=self.registry,
                                              metrics=self.metrics, restored=lambda: self.durability.restored,
                                              fatal=lambda: self.fatal, note_ingested=self.note_ingested)
+        self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
+                                     require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
+                                     directory=self.directory, registry=self.metrics.registry,
+                                     lag=None if self.source is None else self.source.lag,
+                                     log_reasons=None if self.source is None else self.source.not_ready_reasons,
+                                     log_warnings=None if self.source is None else self.source.warnings)
+        # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
+        # goes into the checkpoint as its own section (declared capacities travel with the
+        # directory section).
+        self.durability.register_section("registry", self.registry.snapshot, self.registry.restore)
+        if self.source is not None:
             self.durability.register_section("stream_position", self.source.snapshot, self.source.restore)
-            self.durability.lag = self.source.lag
-            self.durability.log_reasons = self.source.not_ready_reasons
-            self.durability.log_warnings = self.source.warnings
+        #: Where ``POST /events`` and the registry calls go (``event_source.py``): the routes'
+        #: one seam, whatever the transport.
+        self.events: EventSource = build_event_source(self, self.source)
         #: The vLLM KV-events publisher (``--kv-events-endpoint``, issue 25), or None.
         self.kv_events: Any = None
         if config.kv_events_endpoint:
@@ -350,8 +360,19 @@ class ServiceContext:
         ready = [i for i, err in enumerate(errors) if err is None]
         results, stats = index.match_flat(tokens, offsets, [queries[i][1] for i in ready])
         self.metrics.observe_match(stats)
-        for i, matches in zip(ready, results, strict=True):
-            out[i] = encode_matches(matches)
+        observed = []
+        for k, (i, matches) in enumerate(zip(ready, results, strict=True)):
+            query = queries[i]
+            if len(query) == 2 or query[2].lookup:
+                observed.append((query[1], tokens[offsets[k]:offsets[k + 1]], matches))
+            if len(query) == 2:
+                out[i] = encode_matches(matches)
+                continue
+            try:  # a finisher (service/routing.py: placements, the routing score)
+                out[i] = query[2](matches, tokens[offsets[k]:offsets[k + 1]])  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - that query's failure, not the batch's
+                out[i] = exc
+        self.reuse.observe(observed)
         return out
 
     # ------------------------------------------------------------------ events and reads
@@ -389,16 +410,7 @@ class ServiceContext:
         LMCache; ``DELETE /instances/{id}`` forgets it). Logged and counted. In Kafka mode
         only the replica holding the reaper role acts, by appending expiry fences that every
         replica applies (``sources/kafka.py``)."""
-        if self.source is not None:
-            return await self.source.reap_once()
-        expired = self.registry.expire()
-        for instance_id in expired:
-            result = await self.run_event_task(functools.partial(self.directory.drop_instance, instance_id,
-                                                                   forget_capacity=False))
-            self.metrics.instance_events.labels("expired").inc()
-            log.warning("expired instance %s: fenced %d L1 placements (%d keys dropped)", log_safe(instance_id),
-                        result.placements, result.keys)
-        return expired
+        return await self.events.reap_once()
 
     async def _reap_forever(self) -> None:
         """The reaper task (started in the lifespan when ``health_check_interval > 0``). A
@@ -437,7 +449,7 @@ class ServiceContext:
         """Run a read that takes the directory lock off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
-    def snapshot(self) -> dict[str, Any]:
+    def gauge_values(self) -> dict[str, Any]:
         """Flat counts for the scrape-time gauges (takes the directory lock briefly)."""
         stats = self.directory.stats()
         blend = stats.get("blend_index") or {}
@@ -455,6 +467,7 @@ class ServiceContext:
                 snap[key] = blend[key]
         eng = self.engine_info()
         snap["engine"], snap["engine_reason"] = eng["name"], eng["reason"]
+        snap["ready"] = int(self.durability.readiness()[0] and self.fatal is None)
         return snap
 
     def stats(self) -> dict[str, Any]:
@@ -471,6 +484,7 @@ class ServiceContext:
         if self.kv_events is not None:
             ours["kv_events"] = self.kv_events.stats()
         ours["engine"] = self.engine_info()
+        ours["reuse"] = self.reuse.stats()
         ours["batcher"] = {**self.lookups.stats.as_dict(), "queue_depth": self.lookups.queue_depth,
                            "max_batch_tokens": self.config.max_batch_tokens,
                            "max_batch_wait_ms": self.config.max_batch_wait_ms}

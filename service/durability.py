@@ -80,10 +80,12 @@ class SectionHooks:
 
 
 class Durability:
-    """One per service. ``directory()`` returns the directory now in use."""
+    """One per service, for its one directory (a failed restore clears it in place)."""
 
     def __init__(self, path: str, interval_s: float, *, require: bool, max_ready_lag: int,
-                 directory: Callable[[], KeyDirectory], registry: Any) -> None:
+                 directory: KeyDirectory, registry: Any, lag: Optional[Callable[[], Optional[int]]] = None,
+                 log_reasons: Optional[Callable[[], list[str]]] = None,
+                 log_warnings: Optional[Callable[[], list[str]]] = None) -> None:
         self.path = path
         self.interval_s = interval_s
         self.require = require
@@ -91,12 +93,12 @@ class Durability:
         self._directory = directory
         self._sections: dict[str, SectionHooks] = {}
         #: Records the log is ahead of what was applied, or None when events do not come
-        #: from a log (HTTP push). The log transport sets it (issue 10).
-        self.lag: Optional[Callable[[], Optional[int]]] = None
+        #: from a log (HTTP push): the log transport's ``lag`` (issue 10).
+        self.lag = lag
         #: The log transport's own reasons not to be ready (a log reset, a cold start's
         #: catch-up) and its warnings (an unreachable broker); issue 23.
-        self.log_reasons: Optional[Callable[[], list[str]]] = None
-        self.log_warnings: Optional[Callable[[], list[str]]] = None
+        self.log_reasons = log_reasons
+        self.log_warnings = log_warnings
         self._lock = threading.Lock()  # one checkpoint at a time
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -233,7 +235,7 @@ class Durability:
             self.m_restore_fail.labels("unreadable").inc()
             raise CheckpointRequired(f"checkpoint {path} cannot be read: {exc.strerror or exc}; fix its permissions "
                                      "or storage, or move it away") from None
-        directory = self._directory()
+        directory = self._directory
         try:
             with ckpt:
                 result = restore_directory(directory, ckpt)
@@ -279,7 +281,7 @@ class Durability:
         with self._lock:
             extra = {name: hooks.snapshot for name, hooks in self._sections.items()}
             try:
-                result = capture(self._directory(), self.path,
+                result = capture(self._directory, self.path,
                                  extra=lambda: {name: snap() for name, snap in extra.items()})
             except Exception as exc:
                 self.m_written.labels("failed").inc()

@@ -70,12 +70,6 @@ class TooManyInstances(RequestRejected):
     status_code = 429
 
 
-class NotSupported(ServiceError):
-    """A valid request for something blendmatch does not do (501; the detail says why)."""
-
-    status_code = 501
-
-
 class Forbidden(RequestRejected):
     """The caller's credential does not allow this (403). Route-level checks (which role may
     call a route) happen in ``access.AccessControl``; this is for checks that need the body,

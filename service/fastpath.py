@@ -11,17 +11,21 @@ outside them and answers exactly the requests it can answer *identically*:
   events thread decodes, validates and applies the raw body; nothing is decoded on the
   loop), its errors answered by the app's handler functions. The framework stack cost
   more loop time per request than a 50-entry batch's decoding does;
-- ``POST /directory/blend-lookup`` and ``POST /directory/blend-lookup/batch`` whose body
+- ``POST /directory/blend-lookup``, ``POST /directory/blend-lookup/batch`` and ``POST
+  /route/score`` (issue 26) whose body
   has a ``Content-Length`` within the limit, a JSON content type, and parses and validates
   with the very models the routes use (``model_validate_json``: pydantic-core parses and
   validates in one pass, about twice as fast as ``json.loads`` plus validation, and it is at
   least as strict, so anything it refuses goes to the route), calling the very functions the
-  routes call (``routes_lookup.answer_lookup`` / ``answer_lookup_batch``).
+  routes call (``routes_lookup.answer_lookup`` / ``answer_lookup_batch``,
+  ``routes_route.answer_score``).
 
 Everything else, and every request whose body does not parse or validate (bad JSON, a
-schema error) or whose headers rule it out (no ``Content-Length``, over the body limit, not
-JSON), is handed to the normal app with its body replayed, so the canonical route produces
-the canonical error. Errors raised by the answer functions (a ``tokens_b64`` that does not
+schema error) or whose headers rule it out (no ``Content-Length``, or any header rule of
+``http_rules.body_rejection``: a bad length, over the body limit, not JSON), is handed to
+the normal app with its body replayed, so the canonical route (or the body-limit
+middleware, with the very same rule) produces the canonical error. The header rules, the
+healthz body and the body reading are ``http_rules.py``'s, shared with the app. Errors raised by the answer functions (a ``tokens_b64`` that does not
 decode, the token limit, shutdown, an engine failure) are answered here with the very
 functions the app's exception handlers use (``handlers.service_error_response`` /
 ``unexpected_error_response``), so the bytes are the same either way, and nothing runs
@@ -35,7 +39,7 @@ from typing import Any, Awaitable, Callable
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blendmatch.index.tokens import split_b64_value, split_token_arrays
 from blendmatch.index.wire import EventValidationError
@@ -45,17 +49,17 @@ from .errors import ServiceError
 from .handlers import (event_validation_error_response, service_error_response, unexpected_error_response,
                        validation_error_response)
 from .access import instance_filter
+from .http_rules import HEALTHZ_BODY, body_headers, body_rejection, read_body, replay, send_json
 from .routes_events import answer_events
 from .routes_lookup import answer_lookup, answer_lookup_batch
-from .schemas import BlendBatchLookupRequest, BlendLookupRequest
+from .routes_route import answer_score
+from .schemas import BlendBatchLookupRequest, BlendLookupRequest, BlendQuery, RouteScoreRequest
 
 __all__ = ["FastPath"]
 
 log = logging.getLogger(__name__)
 
 _Answer = Callable[[ServiceContext, Any, Any], Awaitable[bytes]]
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-_HEALTHY = b'{"status":"healthy"}'
 #: Bytes JSON forbids unescaped inside a string (RFC 8259, section 7).
 _JSON_CONTROL = bytes(range(0x20))
 
@@ -63,13 +67,15 @@ _JSON_CONTROL = bytes(range(0x20))
 class FastPath:
     """ASGI middleware; see the module docstring. ``limit`` is the body size limit."""
 
-    def __init__(self, app: ASGIApp, context: ServiceContext, limit: int) -> None:
+    def __init__(self, app: ASGIApp, context: ServiceContext, limit: int, json_paths: frozenset[str]) -> None:
         self.app = app
         self.context = context
         self.limit = limit
+        self.json_paths = json_paths
         self._posts: dict[str, tuple[type[BaseModel], _Answer]] = {
             "/directory/blend-lookup": (BlendLookupRequest, answer_lookup),
             "/directory/blend-lookup/batch": (BlendBatchLookupRequest, answer_lookup_batch),
+            "/route/score": (RouteScoreRequest, answer_score),  # issue 26: one query, as a lookup
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -78,25 +84,19 @@ class FastPath:
             return
         method, path = scope["method"], scope["path"]
         if method == "GET" and path == "/healthz" and self.context.source is None:  # Kafka mode: the route decides
-            await _reply(send, 200, _HEALTHY)
+            await send_json(send, 200, HEALTHZ_BODY)
             return
         route = self._posts.get(path) if method == "POST" else None
         if route is None and not (method == "POST" and path == "/events"):
             await self.app(scope, receive, send)
             return
-        length = -1
-        json_type = False
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                length = int(value) if value.isdigit() else -1
-            elif name == b"content-type":
-                json_type = value.split(b";", 1)[0].strip().lower() == b"application/json"
-        if length < 0 or length > self.limit or not json_type:
-            await self.app(scope, receive, send)  # the app answers (or rejects) it
+        headers = body_headers(scope)
+        if headers.length is None or body_rejection(scope, headers, self.limit, self.json_paths) is not None:
+            await self.app(scope, receive, send)  # the app answers (or rejects) it, by the same rules
             return
-        body, tail = await _read_body(receive)
+        body, tail = await read_body(receive)
         if tail:  # the client went away mid-body: the app counts and logs it (middleware.py)
-            await self.app(scope, _replay(body, tail, receive), send)
+            await self.app(scope, replay(body, tail, receive), send)
             return
         if route is None:
             await self._events(scope, receive, send, body)
@@ -105,7 +105,7 @@ class FastPath:
         try:
             parsed, tokens = _parse(model, body)
         except Exception:  # noqa: BLE001 - any failure: the route produces the canonical 4xx
-            await self.app(scope, _replay(body, tail, receive), send)
+            await self.app(scope, replay(body, tail, receive), send)
             return
         try:
             payload = await answer(self.context, parsed, tokens)
@@ -114,14 +114,14 @@ class FastPath:
                     and len(bytes(tokens).translate(None, _JSON_CONTROL)) != len(tokens)):
                 # a raw control character inside the string: the body is not JSON, which the
                 # route says in its own words (checked only here, off the hot path)
-                await self.app(scope, _replay(body, tail, receive), send)
+                await self.app(scope, replay(body, tail, receive), send)
                 return
             await service_error_response(exc, self.context.metrics, f"POST {path}")(scope, receive, send)
             return
         except Exception as exc:  # noqa: BLE001 - a bug or an engine failure: a JSON 500
             await unexpected_error_response(exc, self.context.metrics, f"POST {path}")(scope, receive, send)
             return
-        await _reply(send, 200, payload)
+        await send_json(send, 200, payload)
 
     async def _events(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         """``POST /events``: the route's own answer function (the events thread decodes,
@@ -141,7 +141,7 @@ class FastPath:
         except Exception as exc:  # noqa: BLE001 - a bug: a JSON 500
             await unexpected_error_response(exc, metrics, "POST /events")(scope, receive, send)
             return
-        await _reply(send, 200, payload)
+        await send_json(send, 200, payload)
 
 
 def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
@@ -155,7 +155,7 @@ def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
     is validated as sent. A single lookup that opens with ``tokens_b64`` has its string
     taken out the same way (``split_b64_value``); its bytes go to the lookup thread's
     decoder. Raises what validation raises."""
-    if model is BlendLookupRequest:
+    if issubclass(model, BlendQuery):  # one query: a lookup or a routing score
         taken = split_b64_value(body)
         if taken is not None:
             value, text = taken
@@ -163,7 +163,7 @@ def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
     arrays = split_token_arrays(body, placeholder="empty")
     if arrays is not None:
         parsed = model.model_validate_json(arrays.text)
-        if isinstance(parsed, BlendLookupRequest):
+        if isinstance(parsed, BlendQuery):
             if len(arrays) == 1 and parsed.token_ids is not None:
                 return parsed, arrays.row(0)
         else:
@@ -175,36 +175,3 @@ def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
                     tokens[i] = arrays.row(k)
                 return parsed, tokens
     return model.model_validate_json(body), None  # pydantic-core's parser: ~2x json.loads + validate
-
-
-async def _read_body(receive: Receive) -> tuple[bytes, list[Message]]:
-    """The whole body, and any non-body messages received while reading (a disconnect)."""
-    chunks: list[bytes] = []
-    tail: list[Message] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            tail.append(message)
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), tail
-
-
-def _replay(body: bytes, tail: list[Message], receive: Receive) -> Receive:
-    # A tail (a disconnect) means the body stopped short: replay it as unfinished.
-    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": bool(tail)}, *tail]
-
-    async def replayed() -> Message:
-        if pending:
-            return pending.pop(0)
-        return await receive()
-
-    return replayed
-
-
-async def _reply(send: Send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

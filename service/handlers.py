@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from starlette.responses import Response
 from starlette.exceptions import HTTPException
 
 from blendmatch.index.wire import EventValidationError
@@ -37,6 +37,7 @@ from blendmatch.index.wire import EventValidationError
 from blendmatch.index.logsafe import log_safe
 
 from .errors import ServiceError
+from .http_rules import json_response
 from .middleware import ClientDisconnected
 from .metrics import ServiceMetrics
 
@@ -103,39 +104,38 @@ def allowed_methods(app: Any, scope: Any) -> list[str]:
     return sorted({m for r in (literal or matching) for m in r.methods})
 
 
-def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: str) -> JSONResponse:
+def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: str) -> Response:
     """The response for a :class:`ServiceError` (also used by the fast path)."""
     if exc.status_code == 503:
         log.warning("%s: %s", log_safe(where), log_safe(exc.detail, 500))
-    elif exc.status_code >= 500 and exc.status_code != 501:  # 501: a valid request we do not serve
+    elif exc.status_code >= 500:
         metrics.internal_errors.inc()
         log.error("%s failed: %s", log_safe(where), log_safe(exc.detail, 500))
     else:
         metrics.rejected.labels(str(exc.status_code)).inc()
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    return json_response({"detail": exc.detail}, exc.status_code)
 
 
-def validation_error_response(exc: RequestValidationError, metrics: ServiceMetrics) -> JSONResponse:
+def validation_error_response(exc: RequestValidationError, metrics: ServiceMetrics) -> Response:
     """The 422 for a schema error (also used by the fast path)."""
     detail, errors = format_validation_errors(exc.errors())
     metrics.rejected.labels("422").inc()
-    return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
+    return json_response({"detail": detail, "errors": errors}, 422)
 
 
-def event_validation_error_response(exc: EventValidationError, metrics: ServiceMetrics) -> JSONResponse:
+def event_validation_error_response(exc: EventValidationError, metrics: ServiceMetrics) -> Response:
     """The 422 for a malformed event request (also used by the fast path)."""
     loc = ["body", *exc.loc]
     metrics.rejected.labels("422").inc()
-    return JSONResponse({"detail": f"{_path(loc)}: {exc.reason}",
-                         "errors": [{"loc": loc, "msg": exc.reason, "type": "value_error"}]}, status_code=422)
+    return json_response({"detail": f"{_path(loc)}: {exc.reason}",
+                          "errors": [{"loc": loc, "msg": exc.reason, "type": "value_error"}]}, 422)
 
 
-def unexpected_error_response(exc: BaseException, metrics: ServiceMetrics, where: str) -> JSONResponse:
+def unexpected_error_response(exc: BaseException, metrics: ServiceMetrics, where: str) -> Response:
     """A JSON 500 for an exception nobody expected (a bug): logged with its traceback, counted."""
     metrics.internal_errors.inc()
     log.error("unhandled error in %s", log_safe(where), exc_info=exc)
-    return JSONResponse({"detail": f"internal error ({type(exc).__name__}); this is a bug, please report it"},
-                        status_code=500)
+    return json_response({"detail": f"internal error ({type(exc).__name__}); this is a bug, please report it"}, 500)
 
 
 def _peer(request: Request) -> str:
@@ -146,25 +146,25 @@ def _peer(request: Request) -> str:
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
     """Register the handlers of the table in the module docstring on ``app``."""
 
-    def reject(status: int, content: dict[str, Any]) -> JSONResponse:
+    def reject(status: int, content: dict[str, Any]) -> Response:
         metrics.rejected.labels(str(status)).inc()
-        return JSONResponse(content, status_code=status)
+        return json_response(content, status)
 
-    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation(request: Request, exc: RequestValidationError) -> Response:
         return validation_error_response(exc, metrics)
 
-    async def on_event_validation(request: Request, exc: EventValidationError) -> JSONResponse:
+    async def on_event_validation(request: Request, exc: EventValidationError) -> Response:
         return event_validation_error_response(exc, metrics)
 
-    async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    async def on_service_error(request: Request, exc: ServiceError) -> Response:
         return service_error_response(exc, metrics, f"{request.method} {request.url.path}")
 
-    async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: HTTPException) -> Response:
         if isinstance(exc, ClientDisconnected):
             metrics.client_disconnects.inc()
             log.info("client %s disconnected during %s %s after %d body bytes", _peer(request),
                      request.method, log_safe(request.url.path), exc.received)
-            return JSONResponse({"detail": exc.detail}, status_code=400)  # nobody is there to read it
+            return json_response({"detail": exc.detail}, 400)  # nobody is there to read it
         cause = exc.__cause__
         if exc.status_code == 400 and isinstance(cause, (ValueError, RecursionError)):
             # FastAPI's body reader decodes JSON with json.loads and turns whatever is not a
@@ -185,11 +185,11 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
             headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request.app, request.scope))}
         content = {"detail": exc.detail if isinstance(exc.detail, str) else str(exc.detail)}
         if exc.status_code >= 500:
-            return JSONResponse(content, status_code=exc.status_code, headers=headers)
+            return json_response(content, exc.status_code, headers)
         metrics.rejected.labels(str(exc.status_code)).inc()
-        return JSONResponse(content, status_code=exc.status_code, headers=headers)
+        return json_response(content, exc.status_code, headers)
 
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
         return unexpected_error_response(exc, metrics, f"{request.method} {request.url.path}")
 
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]

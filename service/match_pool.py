@@ -62,7 +62,7 @@ WARN_INTERVAL_S = 30.0
 MAX_BATCH_QUERIES = 256
 
 
-class _Pending:
+class _PendingMarker:
     """The type of :data:`PENDING` when LMCache is not loaded (a named, truthy singleton)."""
 
     __slots__ = ()
@@ -95,7 +95,7 @@ def _lmcache_pending() -> object | None:
 #: Compare with ``is``. Inside an LMCache process this *is* LMCache's sentinel.
 PENDING: object = _lmcache_pending()
 if PENDING is None:
-    PENDING = _Pending()
+    PENDING = _PendingMarker()
 
 
 class BatchUnsupported(Exception):

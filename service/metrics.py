@@ -43,14 +43,14 @@ _TOKEN_BUCKETS = tuple(float(1 << i) for i in range(8, 25, 2))  # 256 .. 16M
 
 
 class _ScrapeCollector(Collector):
-    """Gauges read at scrape time from ``snapshot()`` (a dict; missing keys are skipped)."""
+    """Gauges read at scrape time from ``gauge_values()`` (a dict; missing keys are skipped)."""
 
-    def __init__(self, snapshot: Callable[[], Mapping[str, Any]]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, gauge_values: Callable[[], Mapping[str, Any]]) -> None:
+        self._gauge_values = gauge_values
 
     def collect(self) -> Iterable[Any]:
         try:
-            snap = self._snapshot()
+            snap = self._gauge_values()
         except Exception:  # noqa: BLE001 - a scrape must not fail because a read did
             return
         gauges = {
@@ -66,6 +66,7 @@ class _ScrapeCollector(Collector):
             "lookup_queue_depth": ("lookups waiting for a batch", "queue_depth"),
             "events_queue_depth": ("event requests waiting for the event thread", "events_queue_depth"),
             "instances_registered": ("MP server instances in the registry", "instances_registered"),
+            "ready": ("1 while GET /readyz answers ready (restored, event log lag within bounds)", "ready"),
         }
         for name, (doc, key) in gauges.items():
             value = snap.get(key)
@@ -88,7 +89,7 @@ class _ScrapeCollector(Collector):
 class ServiceMetrics:
     """All series of one app. Thread-safe (prometheus-client's metrics are)."""
 
-    def __init__(self, snapshot: Callable[[], Mapping[str, Any]] | None = None) -> None:
+    def __init__(self, gauge_values: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.lookup_latency = Histogram(
@@ -153,8 +154,8 @@ class ServiceMetrics:
             self.instance_events.labels(label)
         for label in ("dict_miss", "namespace", "tokens"):
             self.rejections.labels(label)
-        if snapshot is not None:
-            self.registry.register(_ScrapeCollector(snapshot))
+        if gauge_values is not None:
+            self.registry.register(_ScrapeCollector(gauge_values))
 
     # ------------------------------------------------------------------ observers
     def observe_batch(self, record: BatchRecord) -> None:

@@ -8,7 +8,9 @@ Two checks, because a client may send either form:
   limit raises ``HTTPException(413)`` from ``receive``, which FastAPI passes through its body
   reader unchanged (any other exception there would become a generic 400).
 
-Either way nothing is parsed, nothing is applied, and the connection stays usable.
+Either way nothing is parsed, nothing is applied, and the connection stays usable. The
+header rules themselves (what a ``Content-Length`` is, what a JSON content type is, the
+error bodies) are ``http_rules.py``'s, which the fast path applies too.
 
 Two more things about bodies are decided here, before any route sees them:
 
@@ -22,13 +24,14 @@ Two more things about bodies are decided here, before any route sees them:
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Iterable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodyLimitMiddleware", "ClientDisconnected", "is_json_content_type"]
+from .http_rules import body_headers, body_rejection, json_body, send_json
+
+__all__ = ["BodyLimitMiddleware", "ClientDisconnected"]
 
 
 class ClientDisconnected(HTTPException):
@@ -39,11 +42,6 @@ class ClientDisconnected(HTTPException):
     def __init__(self, received: int) -> None:
         super().__init__(400, f"client disconnected after {received} body bytes")
         self.received = received
-
-
-def is_json_content_type(value: bytes) -> bool:
-    """``application/json``, with or without parameters, in any letter case."""
-    return value.split(b";", 1)[0].strip().lower() == b"application/json"
 
 
 class BodyLimitMiddleware:
@@ -67,23 +65,9 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self.limit
-        content_type: bytes | None = None
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await self._reply(send, 400, f"Content-Length must be an integer, got {value[:40]!r}")
-                    return
-                if declared > limit:
-                    await self._reply(send, 413, f"request body of {declared} bytes is over the limit of {limit} bytes")
-                    return
-            elif name == b"content-type":
-                content_type = value
-        if scope["method"] == "POST" and scope["path"] in self.json_paths and (
-                content_type is None or not is_json_content_type(content_type)):
-            got = "none" if content_type is None else repr(content_type[:60].decode("latin-1"))
-            await self._reply(send, 415, f"{scope['path']} takes Content-Type: application/json, got {got}")
+        rejected = body_rejection(scope, body_headers(scope), limit, self.json_paths)
+        if rejected is not None:
+            await self._reply(send, *rejected)
             return
         received = 0
         complete = False
@@ -107,8 +91,4 @@ class BodyLimitMiddleware:
     async def _reply(self, send: Send, status: int, detail: str) -> None:
         if self._on_reject is not None:
             self._on_reject(status)
-        body = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, json_body({"detail": detail}), [(b"connection", b"close")])

@@ -31,13 +31,16 @@ def render(schema: dict[str, Any]) -> str:
     return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    if argv:
-        print(f"usage: {REGENERATE}", file=sys.stderr)
-        return 2
+def main(argv: Sequence[str] | None = None, *, prog: str = "blendmatch openapi") -> int:
+    """Print the schema; no options (``--help`` says so; anything else is a usage error)."""
+    import argparse
+
+    argparse.ArgumentParser(prog=prog, description="Print the service's OpenAPI schema (JSON) on stdout. "
+                                                   f"To regenerate the committed contract: {REGENERATE}"
+                            ).parse_args(list(argv or ()))
     sys.stdout.write(render(current_schema()))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main(sys.argv[1:], prog="python -m blendmatch.service.openapi"))

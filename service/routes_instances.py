@@ -8,9 +8,10 @@ its declared capacity), ``GET /instances/usage`` and ``GET /instances/{id}/usage
 bytes joined to declared capacity). The registry itself is ``blendmatch.index.registry``;
 the reaper that expires silent instances is ``ServiceContext.reap_once``.
 
-With ``--upstream-coordinator``, registration, heartbeats of known instances and
-deregistration are applied here and then forwarded upstream in order (``upstream.py``); a
-registration goes up with the id this coordinator gave it.
+Each call goes to the context's event source (``event_source.py``), which applies it
+here (HTTP push; with ``--upstream-coordinator`` then forwarded upstream in order, a
+registration with the id this coordinator gave it) or appends it to the Kafka log; both
+apply registry records through the one ``sources/control.py``.
 
 Registry calls do not touch the directory lock except deregistration, which runs on the
 events thread so that it is ordered with the instance's event batches.
@@ -18,11 +19,6 @@ events thread so that it is ordered with the instance's event batches.
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
-import uuid
-from urllib.parse import quote
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
@@ -38,8 +34,6 @@ from .errors import Forbidden, TooManyInstances
 from .routes_lookup import ERROR_RESPONSES
 
 __all__ = ["router", "RegisterRequest", "RegisterResponse", "HeartbeatResponse"]
-
-log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["instances"])
 
@@ -126,22 +120,7 @@ async def register_instance(body: RegisterRequest, ctx: Ctx, request: Request) -
     if (not body.instance_id or not ctx.registry.contains(body.instance_id)) and len(ctx.registry) >= limit:
         raise TooManyInstances(f"body.instance_id: registering one more instance than the {limit} this server "
                                "tracks (--max-instances); ids leave when their instance deregisters or expires")
-    if ctx.source is not None:  # Kafka mode: through the log, so every replica's registry agrees
-        instance_id = body.instance_id or f"mp-{uuid.uuid4().hex}"
-        again = ctx.registry.contains(instance_id)
-        await ctx.source.publish_control("register", instance_id, ip=body.ip, http_port=body.http_port,
-                                         metadata=body.metadata, p2p_advertised_url=body.p2p_advertised_url,
-                                         mq_port=body.mq_port)
-        log.info("%s instance %s at %s:%d (appended to the log)", "re-registered" if again else "registered",
-                 log_safe(instance_id), log_safe(body.ip), body.http_port)
-        return {"instance_id": instance_id, "re_registered": again}
-    instance_id, again = ctx.registry.register(body.instance_id, body.ip, body.http_port, metadata=body.metadata,
-                                               p2p_advertised_url=body.p2p_advertised_url, mq_port=body.mq_port)
-    ctx.metrics.instance_events.labels("re_registered" if again else "registered").inc()
-    # with the id given here, so that the upstream registers the same instance (not a second generated id)
-    ctx.forward("register", "POST", "/instances", json.dumps({**body.model_dump(), "instance_id": instance_id}).encode())
-    log.info("%s instance %s at %s:%d", "re-registered" if again else "registered", log_safe(instance_id),
-             log_safe(body.ip), body.http_port)
+    instance_id, again = await ctx.events.register(body.model_dump())
     return {"instance_id": instance_id, "re_registered": again}
 
 
@@ -149,14 +128,8 @@ async def register_instance(body: RegisterRequest, ctx: Ctx, request: Request) -
             responses={404: {"model": UnknownInstance, "description": "unknown instance: re-register"}})
 async def heartbeat(instance_id: str, ctx: Ctx) -> Any:
     """Record a heartbeat; 404 (LMCache's body) for an unknown instance."""
-    if ctx.source is not None and ctx.registry.contains(instance_id):  # Kafka mode: through the log
-        await ctx.source.publish_control("heartbeat", instance_id, wait_applied=0)
+    if await ctx.events.heartbeat(instance_id):
         return {"instance_id": instance_id}
-    if ctx.registry.heartbeat(instance_id):
-        ctx.metrics.instance_events.labels("heartbeat").inc()
-        ctx.forward("heartbeat", "PUT", f"/instances/{quote(instance_id, safe='')}/heartbeat", instance_id=instance_id)
-        return {"instance_id": instance_id}
-    ctx.metrics.instance_events.labels("unknown_heartbeat").inc()
     return JSONResponse(status_code=404, content={"error": f"unknown instance {instance_id}; re-register"})
 
 
@@ -172,17 +145,7 @@ async def deregister_instance(instance_id: str, ctx: Ctx) -> Response:
     """Deregister: drop the instance's private L1 placements (its L2 and shared-pool ones
     stay), its event cursor (a reconnect starts fresh) and its declared capacity.
     Idempotent; 204 whether or not it was registered, as in LMCache."""
-    # Kafka mode: appended to the log and applied by every replica (this one before the reply)
-    if ctx.source is not None:
-        await ctx.source.publish_control("deregister", instance_id)
-        log.info("deregistered instance %s (appended to the log)", instance_id)
-        return Response(status_code=204)
-    was = ctx.registry.remove(instance_id)
-    result = await ctx.run_event_task(functools.partial(ctx.directory.drop_instance, instance_id))
-    ctx.metrics.instance_events.labels("deregistered").inc()
-    ctx.forward("deregister", "DELETE", f"/instances/{quote(instance_id, safe='')}")
-    log.info("deregistered instance %s (%s): fenced %d L1 placements, %d keys dropped", log_safe(instance_id),
-             "was registered" if was else "was not registered", result.placements, result.keys)
+    await ctx.events.deregister(instance_id)  # Kafka mode: applied by every replica, this one before the reply
     return Response(status_code=204)
 
 

@@ -7,6 +7,8 @@ micro-batcher (``ctx.lookup`` / ``ctx.lookup_many``), whose thread decodes ``tok
 (a string that does not decode is a 422 naming the field, e.g. ``body.queries.3.tokens_b64``)
 and encodes the answer, so no per-match model objects are built on the event loop. With
 blend lookup disabled every query answers ``{"matches": []}`` (bad input is still a 422).
+A query with ``include_placements`` (ours, issue 26) carries a finisher (``routing.py``) that
+the lookup thread runs in place of the plain encoding; without it the bytes are LMCache's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .context import Ctx, LookupQuery, ServiceContext, query_tokens
 from blendmatch.index.tokens import TokenDecodeError, decode_token_ids
 
 from .errors import InvalidRequest
+from .routing import PlacedMatches, finish, finish_many
 from .schemas import (
     BlendBatchLookupRequest,
     BlendBatchLookupResponse,
@@ -50,6 +53,12 @@ def query_of(body: BlendLookupRequest, where: str = "body") -> LookupQuery:
         raise InvalidRequest(f"{where}.{exc}") from None
 
 
+def placed(ctx: ServiceContext, body: BlendLookupRequest, query: LookupQuery) -> LookupQuery:
+    """``query`` answered with placements (``include_placements``, issue 26: ``routing.py``)."""
+    return (*query[:2], PlacedMatches(directory=lambda: ctx.directory, registry=ctx.registry,
+                                      namespace=body.namespace, requester=body.requester_instance_id))
+
+
 async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest, tokens: Any = None) -> bytes:
     """The answer to one validated blend lookup (shared by the route and the fast path).
     ``tokens``: the query's ids already taken out of the body as uint32 (the fast path's
@@ -58,7 +67,7 @@ async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest, tokens: A
     query = (tokens, body.namespace) if tokens is not None else query_of(body)
     ctx.check_tokens(query_tokens(query))
     try:
-        payload = await ctx.lookup(query)
+        payload = await ctx.lookup(query) if not body.include_placements else await finish(ctx, placed(ctx, body, query))
     except TokenDecodeError as exc:
         raise InvalidRequest(f"body.{exc}") from None
     ctx.metrics.lookup_latency_single.observe(time.perf_counter() - t0)
@@ -72,7 +81,11 @@ async def answer_lookup_batch(ctx: ServiceContext, body: BlendBatchLookupRequest
     queries = [(tokens[i], q.namespace) if tokens is not None and tokens[i] is not None
                else query_of(q, f"body.queries.{i}") for i, q in enumerate(body.queries)]
     ctx.check_tokens(sum(query_tokens(q) for q in queries))
-    parts = await ctx.lookup_many(queries)
+    if any(q.include_placements for q in body.queries):
+        parts = await finish_many(ctx, [placed(ctx, q, query) if q.include_placements else query
+                                        for q, query in zip(body.queries, queries)])
+    else:
+        parts = await ctx.lookup_many(queries)
     for i, part in enumerate(parts):
         if isinstance(part, TokenDecodeError):
             raise InvalidRequest(f"body.queries.{i}.{part}")

@@ -8,6 +8,7 @@ import json
 from fastapi import APIRouter, Response
 
 from .context import Ctx
+from .http_rules import HEALTHZ_BODY
 from .metrics import CONTENT_TYPE
 from .schemas import HealthResponse
 
@@ -26,7 +27,7 @@ async def healthz(ctx: Ctx) -> Response:
     broker outage is not a reason: the source retries by itself (docs/fleet.md)."""
     problem = ctx.source.health_problem() if ctx.source is not None else None
     if problem is None:
-        return Response(b'{"status":"healthy"}', media_type="application/json")
+        return Response(HEALTHZ_BODY, media_type="application/json")
     return Response(json.dumps({"status": "unhealthy", "reason": problem}).encode(), status_code=503,
                     media_type="application/json")
 
@@ -64,8 +65,8 @@ async def readyz(ctx: Ctx) -> Response:
 async def admin_checkpoint(ctx: Ctx) -> Response:
     """Take a checkpoint now (blocks until the file is renamed into place) and say what was
     written: path, bytes, seconds, the ingest pause, counts. 409 when ``--checkpoint-path``
-    is empty or the start-up restore has not finished. (Admin role once access control
-    lands; until then, like every route, it is served as configured.)"""
+    is empty or the start-up restore has not finished. Needs the ``admin`` role
+    (``access.py``'s route table)."""
     dur = ctx.durability
     if not dur.enabled or not dur.restored:
         reason = "checkpoints are off (--checkpoint-path is empty)" if not dur.enabled else "restore in progress"

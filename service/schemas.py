@@ -52,17 +52,29 @@ __all__ = [
     "HealthResponse",
     "ErrorResponse",
     "MAX_BATCH_QUERIES",
+    "MAX_CANDIDATES",
+    "MAX_INSTANCE_ID_LENGTH",
+    "BlendQuery",
+    "RouteScoreRequest",
+    "RouteScoreResponse",
+    "RouteScoreRow",
+    "MatchPlacementModel",
 ]
 
 #: Most queries one ``/directory/blend-lookup/batch`` request may carry. Each query costs a
 #: future and a result object even when empty; tokens are bounded separately (413).
 MAX_BATCH_QUERIES = 65_536
+#: Longest ``requester_instance_id`` / candidate id taken (instance ids are short names).
+MAX_INSTANCE_ID_LENGTH = 1024
+#: Most candidates one ``/route/score`` request may name.
+MAX_CANDIDATES = 4096
 #: Most keys one ``/directory/lookup`` request may resolve.
 MAX_LOOKUP_KEYS = 65_536
 
 
-class BlendLookupRequest(BaseModel):
-    """Body of ``POST /directory/blend-lookup`` (and one query of the batch endpoint).
+class BlendQuery(BaseModel):
+    """A query's tokens and namespace: the fields of a blend lookup, which the routing score
+    (``POST /route/score``) takes too.
 
     Exactly one of ``tokens_b64`` (standard base64 of little-endian uint32 ids) or
     ``token_ids`` (a JSON list of ints in 0..2^32-1). The namespace
@@ -87,7 +99,7 @@ class BlendLookupRequest(BaseModel):
     cache_salt: str = Field(default="", description="per-tenant isolation salt")
 
     @model_validator(mode="after")
-    def _one_token_form(self) -> "BlendLookupRequest":
+    def _one_token_form(self) -> "BlendQuery":
         try:
             check_one_form(self.tokens_b64, self.token_ids)
         except TokenDecodeError as exc:
@@ -99,6 +111,57 @@ class BlendLookupRequest(BaseModel):
         return BlendNamespace(self.model_name, self.cache_salt, self.world_size)
 
 
+class BlendLookupRequest(BlendQuery):
+    """Body of ``POST /directory/blend-lookup`` (and one query of the batch endpoint): a
+    :class:`BlendQuery`, and ours, opt-in: ``include_placements`` (absent or false, the
+    answer is LMCache's, byte for byte)."""
+
+    include_placements: bool = Field(default=False, description=(
+        "ours: give each match its usable copies, ranked (the requester's own L1, other live "
+        "instances' L1, shared pools, live instances' L2); copies of instances that are not live in "
+        "the registry are left out, and a match with none is dropped (counted in "
+        "dropped_without_live_holder)"))
+    requester_instance_id: str | None = Field(default=None, max_length=MAX_INSTANCE_ID_LENGTH, description=(
+        "ours: the instance asking (its own L1 copies rank first); with include_placements"))
+
+
+class RouteScoreRequest(BlendQuery):
+    """Body of ``POST /route/score``: a :class:`BlendQuery` and optionally the instances to
+    score (default: every live instance in the registry)."""
+
+    candidates: Annotated[list[Annotated[str, Field(max_length=MAX_INSTANCE_ID_LENGTH)]],
+                          Field(max_length=MAX_CANDIDATES)] | None = Field(
+        default=None, description="instance ids to score, one row each (duplicates once)")
+
+
+class RouteScoreRow(BaseModel):
+    """One instance: ``prefix_tokens`` (leading chunks it holds in L1 under the request's
+    prefix-chained hashes), ``fragment_tokens`` (tokens after that prefix covered by
+    non-overlapping matches it holds in L1), ``reusable_tokens`` (their sum)."""
+
+    instance_id: str
+    prefix_tokens: int
+    fragment_tokens: int
+    reusable_tokens: int
+
+
+class RouteScoreResponse(BaseModel):
+    """``shared_tokens``: covered by non-overlapping matches in a shared pool (any instance
+    can fetch them); ``instances``: sorted by ``reusable_tokens`` descending, then id."""
+
+    shared_tokens: int
+    instances: list[RouteScoreRow]
+
+
+class MatchPlacementModel(BaseModel):
+    """One usable copy of a matched chunk (``include_placements``): a shared pool's copy has
+    ``instance_id ""``."""
+
+    instance_id: str
+    tier: str
+    backend: str
+
+
 class BlendMatchModel(BaseModel):
     """One match: ``chunk_hash`` (lowercase hex), ``old_st`` (stored position, the re-RoPE
     source) and ``cur_st`` (position in the query, the re-RoPE target)."""
@@ -106,13 +169,19 @@ class BlendMatchModel(BaseModel):
     chunk_hash: str
     old_st: int
     cur_st: int
+    placements: list[MatchPlacementModel] | None = Field(default=None, description=(
+        "ours, only with include_placements: usable copies, best first"))
 
 
 class BlendLookupResponse(BaseModel):
     """Matches in ascending ``cur_st``, at most one per position and one per chunk hash
-    (LMCache's per-position rule); they may overlap."""
+    (LMCache's per-position rule); they may overlap. With ``include_placements`` each match
+    has ``placements`` and the answer ``dropped_without_live_holder``."""
 
     matches: list[BlendMatchModel] = Field(default_factory=list)
+    dropped_without_live_holder: int | None = Field(default=None, description=(
+        "ours, only with include_placements: matches left out because no live instance or shared "
+        "pool holds their chunk"))
 
 
 class BlendBatchLookupRequest(BaseModel):
@@ -160,9 +229,8 @@ class DirectoryLookupRequest(BaseModel):
 
     Validation is LMCache's: both forms or neither is a 422 (an empty list counts as
     absent); ``token_ids`` without ``model_name`` is a 422; ``world_size < 1`` is a 422.
-    The route answers more than 1,000,000 token ids with a 400. The tokens form needs the
-    fleet's token hasher (prefix-chained chunk hashes), which blendmatch does not have: a
-    valid tokens-form request is answered 501, or proxied with ``--upstream-coordinator``.
+    The route answers more than 1,000,000 token ids with a 400; it hashes the tokens
+    form's full chunks with the fleet's ``--hash-algorithm`` into keys.
     """
 
     # The one-form rule in the schema too (schemathesis checks the schema against the

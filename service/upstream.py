@@ -53,6 +53,8 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.responses import JSONResponse, Response
 
+from blendmatch.index.logsafe import log_safe
+
 __all__ = ["Upstream", "FORWARD_KINDS", "PROXY_METHODS"]
 
 log = logging.getLogger("blendmatch.service.upstream")
@@ -281,7 +283,8 @@ class Upstream:
         if body is None:  # gone here meanwhile: nothing to re-register
             return False
         self.reregistered.inc()
-        log.info("upstream coordinator does not know instance %s; re-sending its registration", heartbeat.instance_id)
+        log.info("upstream coordinator does not know instance %s; re-sending its registration",
+                 log_safe(heartbeat.instance_id))
         register = _Item("register", "POST", "/instances", json.dumps(dict(body)).encode())
         if self._queue and self._queue[0] is heartbeat:
             self._pop_head()

@@ -27,6 +27,16 @@ def _h(i: int) -> bytes:
     return i.to_bytes(8, "big")
 
 
+def token_offsets(d: KeyDirectory, chunk_hashes: list[bytes]) -> list[int | None]:
+    """Each chunk hash's binding offset (-1 unknown; None: no binding), read through the
+    directory's public state (``export_state``, the checkpoint's view), not an accessor of
+    its own: an offset is otherwise observable only as a match's ``old_st``."""
+    with d.ingest_lock:
+        state = d.export_state()
+        offsets = dict(zip(state["hashes"], state["offsets"]))
+    return [None if h not in offsets else int(offsets[h]) for h in chunk_hashes]
+
+
 def contents(seed: int) -> np.ndarray:
     """The workload's few distinct contents (few: many occupants per content)."""
     return np.random.default_rng(seed + 10_000).integers(0, 40, size=(12, C), dtype=np.uint32)
@@ -103,7 +113,7 @@ def answers(d: KeyDirectory, seed: int) -> dict[str, Any]:
     out["lookup"] = d.lookup(keys)
     hashes = [_h(i) for i in range(60)]
     out["tokens"] = [None if t is None else t.tolist() for t in d.get_token_ids(hashes)]
-    out["offsets"] = [d.get_token_offset(h) for h in hashes]
+    out["offsets"] = token_offsets(d, hashes)
     stats = d.stats()
     blend = stats.pop("blend_index")
     if blend is not None:

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 
 from blendmatch.index.wire_models import wire_batch, wire_entry
+
+from ckpt_workload import token_offsets
 from blendmatch.index.key_directory import SHARED_POOL_INSTANCE, KeyDirectory
 from blendmatch.index.types import BlendNamespace, ObjectKey, pack_kv_rank
 
@@ -159,10 +161,10 @@ def _check(d: KeyDirectory, naive: Naive, rng: random.Random, pool: list[list[in
         want = naive.content.get(h)
         if want is None:
             assert tokens is None, f"step {step}: chunk {h.hex()} should have no content"
-            assert d.get_token_offset(h) in (None, -1), "an offset without content"
+            assert token_offsets(d, [h])[0] in (None, -1), "an offset without content"
         else:
             assert tokens is not None and tokens.tolist() == list(want[0]), f"step {step}: chunk {h.hex()}"
-            assert d.get_token_offset(h) == want[1]
+            assert token_offsets(d, [h]) == [want[1]]
     # placements and counts
     keys = sorted(naive.records)
     got_pl = d.lookup([ObjectKey(*k) for k in keys])

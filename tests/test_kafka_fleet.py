@@ -22,7 +22,7 @@ from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.service.sources.records import (ControlRecordError, control_value, decode_control, is_control,
                                                 lmcache_record_value)
 from kafka_support import Replica, create_topic, end_offsets, kafka_bootstrap, lmcache_producer  # noqa: F401
-from service_support import C, MODEL, b64, hash_of, store
+from service_support import C, MODEL, b64, hash_of, metric_samples, store
 from test_lmcache_compat import lmcache_site  # noqa: F401 - the fixture
 
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "lmcache"
@@ -248,6 +248,39 @@ def test_resume_from_committed_offsets_without_checkpoint(kafka_bootstrap, tmp_p
             assert fresh.log_stats()["records_applied"] == 10
         finally:
             fresh.stop()
+    finally:
+        r.stop()
+
+
+@pytest.mark.kafka
+def test_kafka_mode_counts_not_indexable_like_http_mode(kafka_bootstrap, tmp_path):
+    """Entries that feed nothing to the blend index reach the same metric, by reason, when
+    they come through the log as when they are pushed over HTTP (``POST /events``'s
+    ``entries_not_indexable``, here from the directory the HTTP route applies with)."""
+    topic = create_topic(kafka_bootstrap, partitions=1)
+    rows = np.random.default_rng(11).integers(0, 50_000, (3, C), dtype=np.uint32)
+    short = wire_entry(hash_of(50), MODEL, pack_kv_rank(1), size_bytes=8, token_ids=[1, 2, 3], token_offset=0)
+    batches = [store("mp-0", 1, rows, incarnation=1, offsets=[0, -1, C]),  # one offset unknown
+               store("mp-0", 2, rows[:2], first_hash=20, incarnation=1, world_size=0),  # world size 0
+               wire_batch("mp-0", 3, "store", [short], incarnation=1)]  # not a chunk long
+    d = KeyDirectory()
+    d.enable_blend_lookup(chunk_size=C, engine="reference")
+    want: dict[str, int] = {}
+    for b in batches:
+        for reason, n in d.apply_detailed({"batches": [b]}).not_indexable.items():
+            want[reason] = want.get(reason, 0) + n
+    assert {k for k, n in want.items() if n} == {"token_offset_unknown", "world_size_0", "wrong_length"}
+    positions: list = []
+    _produce(lmcache_producer(kafka_bootstrap), topic, [(b"mp-0", lmcache_record_value(b)) for b in batches],
+             positions)
+    r = Replica(kafka_bootstrap, topic, "ni", f"g-{uuid.uuid4().hex[:8]}", "", log_path=tmp_path / "ni.log")
+    try:
+        r.wait_up()
+        r.wait_position(end_offsets(positions))
+        samples = metric_samples(r.client.get("/metrics").text)
+        got = {reason: samples.get(f'blendmatch_event_entries_not_indexable_total{{reason="{reason}"}}', 0.0)
+               for reason in want}
+        assert got == {k: float(n) for k, n in want.items()}, r.tail()
     finally:
         r.stop()
 

@@ -21,6 +21,8 @@ from blendmatch.index.key_directory import (
 )
 from blendmatch.index.types import BlendMatch, BlendNamespace, ObjectKey, pack_kv_rank
 
+from ckpt_workload import token_offsets
+
 C = 4
 WS1 = pack_kv_rank(1)
 NS = BlendNamespace("m", "", 1)
@@ -103,7 +105,7 @@ def test_unknown_offset_never_downgrades_a_known_one(d, feed):
     feed.store("a", E(1, X, offset=12))
     feed.store("b", E(1, X, offset=-1))
     assert hits(d, X) == [(H(1), 12, 0)]
-    assert d.get_token_offset(H(1)) == 12
+    assert token_offsets(d, [H(1)]) == [12]
 
 
 def test_unknown_offset_is_never_matchable_until_known(d, feed):
@@ -128,7 +130,7 @@ def test_different_content_retires_the_old_fingerprint_for_every_namespace(d, fe
 def test_different_content_takes_its_own_offset(d, feed):
     feed.store("a", E(1, X, offset=8))
     feed.store("a", E(1, Y, offset=-1))  # the old offset belongs to the old content
-    assert hits(d, Y) == [] and d.get_token_offset(H(1)) == -1
+    assert hits(d, Y) == [] and token_offsets(d, [H(1)]) == [-1]
 
 
 def test_claim_goes_with_the_last_key_of_its_namespace_any_rank_or_group(d, feed):
@@ -572,7 +574,7 @@ def test_packed_token_ids_apply_like_lists(form):
     hs = [H(i) for i in range(1, 7)]
     assert [None if t is None else t.tolist() for t in got.get_token_ids(hs)] == \
         [None if t is None else t.tolist() for t in want.get_token_ids(hs)]
-    assert [got.get_token_offset(h) for h in hs] == [want.get_token_offset(h) for h in hs]
+    assert token_offsets(got, hs) == token_offsets(want, hs)
     for tokens, ns in ((X, NS), (Y, NS), (X + Y, NS), (X, BlendNamespace("n", "", 1))):
         assert hits(got, tokens, ns) == hits(want, tokens, ns)
     assert got.stats() == want.stats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -160,3 +161,22 @@ def _serve_parser():
     p = argparse.ArgumentParser()
     cli._add_serve_flags(p)
     return p
+
+
+#: reStructuredText / markdown markup that must not reach a terminal: literals, roles,
+#: link references, literal-block markers, bold.
+_MARKUP = re.compile(r"``|`[^`\n]+`_|:[a-z]+:`|::\s*$|\*\*[^*\n]+\*\*|^\s*\.\. ")
+
+
+@pytest.mark.parametrize("argv", [[]] + [[c] for c in cli._SUBCOMMANDS] + [["checkpoint", "inspect"]],
+                         ids=lambda a: " ".join(a) or "blendmatch")
+def test_every_help_is_plain_text(capsys, argv):
+    """``blendmatch <sub> --help`` for every subcommand (the list the parser itself uses):
+    exit 0, some text, and none of the docstring markup a terminal would show raw."""
+    with pytest.raises(SystemExit) as ei:
+        cli.main([*argv, "--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out
+    bad = [line for line in out.splitlines() if _MARKUP.search(line)]
+    assert bad == [], f"markup in blendmatch {' '.join(argv)} --help: {bad[:3]}"

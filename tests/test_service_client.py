@@ -84,7 +84,7 @@ async def test_async_client_against_the_app_in_process():
             batch = await client.lookup_batch([(q, BlendNamespace(MODEL)), (rows[1], BlendNamespace(MODEL))])
             assert batch == [got, [BlendMatch(hash_of(1), C, 0)]]
             assert (await client.stats())["num_keys"] == 3
-            await client.fence_instance("i1")
+            await client.deregister_instance("i1")
             assert (await client.stats())["num_keys"] == 0
             with pytest.raises(BlendHTTPError) as ei:
                 await client.lookup([1, 2], "")
@@ -113,7 +113,7 @@ def test_sync_client_with_a_mock_transport():
         assert client.lookup_batch([([1], BlendNamespace("m")), ([2], BlendNamespace("n"))]) == [[], []]
         with pytest.raises(BlendHTTPError, match="413: too big"):
             client.post_events({"batches": []})
-        client.fence_instance("a/b c")
+        client.deregister_instance("a/b c")
         assert seen[-1][:2] == ("DELETE", "/instances/a%2Fb%20c") or seen[-1][1] == "/instances/a/b c"
 
 

@@ -112,12 +112,12 @@ def test_loadtest_refuses_non_loopback_servers():
 
 
 def test_loadtest_batch_histogram_from_cumulative_buckets():
-    from blendmatch.bench import loadtest
+    from blendmatch.bench import loadgen, loadtest
 
     before = {"1.0": 2, "2.0": 3, "4.0": 3, "+Inf": 3}
     after = {"1.0": 5, "2.0": 6, "4.0": 10, "+Inf": 11}
     assert loadtest._histogram(before, after) == {"1": 3, "3-4": 4, "5-inf": 1}  # empty ranges left out
-    assert loadtest._request_body(b"POST /x HTTP/1.1\r\nHost: h\r\n\r\n{}") == ("POST", "/x", b"{}")
+    assert loadgen.request_parts(b"POST /x HTTP/1.1\r\nHost: h\r\n\r\n{}") == ("POST", "/x", b"{}")
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install wrk)")

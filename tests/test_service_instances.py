@@ -181,3 +181,48 @@ async def test_directory_stats_has_lmcache_names():
         assert "instances" not in stats and set(stats["blendmatch"]["instances"]) == {"i1"}
         assert (stats["num_keys"], stats["num_placements"], stats["l1_count"], stats["l1_size_bytes"]) == (2, 2, 2, 2048)
         assert stats["l1_keys_by_instance"] == {"i1": 2}
+
+
+async def test_client_instance_ids_reach_the_log_escaped(caplog):
+    """An instance id is client data: a newline in it must not forge a log line, on any of
+    the registry paths (register, heartbeat, deregister, expiry) of the one event-source seam."""
+    evil = "mp\nFORGED ERROR root: pwned"
+    caplog.set_level("INFO")
+    async with served(config(health_check_interval=0, instance_timeout=0.05)) as (client, app):
+        assert (await client.post("/instances", json={"instance_id": evil, "ip": "h\rx", "http_port": 1})).status_code == 200
+        assert (await client.put("/instances/mp%0AFORGED%20ERROR%20root%3A%20pwned/heartbeat")).status_code == 200
+        await asyncio.sleep(0.1)
+        assert await app.state.blendmatch_context.reap_once() == [evil]  # expired, then registered again to leave
+        await client.post("/instances", json={"instance_id": evil, "ip": "h", "http_port": 1})
+        assert (await client.delete("/instances/mp%0AFORGED%20ERROR%20root%3A%20pwned")).status_code == 204
+    lines = [r.getMessage() for r in caplog.records]
+    mentioning = [m for m in lines if "FORGED" in m]
+    assert len(mentioning) >= 4, lines  # registered, expired (registry + fence), registered, deregistered
+    assert all("\n" not in m and "\r" not in m for m in mentioning), mentioning
+    assert any("mp\\x0aFORGED" in m for m in mentioning)
+
+
+def test_log_path_registry_records_escape_instance_ids(caplog):
+    """The Kafka side applies registry records through the same ``apply_control``; its expiry
+    fence (from another replica's reaper) logs the id escaped too (it did not before)."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from blendmatch.index.key_directory import KeyDirectory
+    from blendmatch.service.sources.control import apply_control
+
+    evil = "mp\nFORGED ERROR root: pwned"
+    reg, d = InstanceRegistry(30.0), KeyDirectory()
+    events = Counter("t_instance_events", "t", ["event"], registry=CollectorRegistry())
+    caplog.set_level("INFO")
+    kw = dict(registry=reg, directory=d, instance_events=events)
+    assert apply_control({"op": "register", "instance_id": evil, "ip": "h", "http_port": 1}, **kw, at=5.0).applied
+    assert apply_control({"op": "heartbeat", "instance_id": evil}, **kw, at=6.0).applied
+    stale = apply_control({"op": "expire", "instance_id": evil, "last_heartbeat": 5.0, "reaper": "r\n1"}, **kw)
+    assert not stale.applied and reg.contains(evil)  # a heartbeat came after the sweep judged it
+    out = apply_control({"op": "expire", "instance_id": evil, "reaper": "r\n1"}, **kw)
+    assert out.applied and out.fenced is not None and not reg.contains(evil)
+    assert events.labels("expired")._value.get() == 1 and events.labels("heartbeat")._value.get() == 1
+    mentioning = [r.getMessage() for r in caplog.records if "FORGED" in r.getMessage()]
+    assert mentioning and all("\n" not in m for m in mentioning), mentioning
+    with pytest.raises(ValueError, match="unknown control op"):
+        apply_control({"op": "nope", "instance_id": "x"}, **kw)

@@ -189,3 +189,22 @@ def test_query_batch_decodes_into_one_flat_buffer_without_copying_the_text():
     flat, _ = idx.match_flat(tokens, offsets, [ns, ns, ns])
     assert flat == idx.match_batch([(a, ns), (b, ns), (c, ns)])
     assert [len(r) for r in flat] == [0, 1, 1]
+
+
+def test_b64_errors_name_the_first_bad_character_of_a_long_string():
+    """pybase64 refuses; the vectorised second pass names where (the same messages as the
+    kernel it replaced): a bad character deep in a long string, '=' too early, a bad length."""
+    good = b64(list(range(30_000)))
+    bad = good[:100_001] + "*" + good[100_002:]
+    got = decode_b64_many([bad, good[:-4] + "=AAA", good + "A", "AB=A", "A==="])
+    assert "'*' at position 100001" in str(got[0])
+    assert f"padding '=' at character {len(good) - 4}" in str(got[1])
+    assert "length 160001 is not a multiple of 4" in str(got[2])
+    assert "padding '=' at character 2" in str(got[3]) and "padding '=' at character 1" in str(got[4])
+
+
+def test_bench_b64_compares_decoders_and_checks_their_answers():
+    from blendmatch.bench import b64 as bench_b64
+
+    row = bench_b64.run({"ours": bench_b64.decode_query_tokens, "binascii": bench_b64._binascii}, 64, 3, rounds=1)
+    assert set(row["us_per_call"]) == {"ours", "binascii"} and row["x_ours"]["ours"] == 1.0

@@ -1,6 +1,6 @@
 """blendmatch: which cached KV chunks does a token sequence contain, and where?
 
-The distribution installs three rooms as subpackages (see DESIGN.md section 2):
+The distribution installs three rooms as subpackages (docs/architecture.md, "The rooms"):
 ``blendmatch.index`` (the host truth), ``blendmatch.gpu`` (the probe engines) and
 ``blendmatch.service`` (HTTP, batching, CLI, client).
 """

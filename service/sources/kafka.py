@@ -59,6 +59,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client import Counter, Gauge
 
 from blendmatch.index.key_directory import KeyDirectory
+from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import parse_event_request
 
@@ -66,6 +67,7 @@ from ..errors import LimitExceeded, ServiceUnavailable
 from .log_health import LogHealth, backoff, position_reset, topic_reset
 from .producer import MAX_RECORD_BYTES, LogProducer
 from .reaper import ReaperMembership
+from .control import apply_control
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
                       decode_run, lmcache_record_value, split_run)
 
@@ -504,7 +506,7 @@ class KafkaSource:
         blend index in one insert), a control record applies between them in its place.
         Positions advance inside the same hold, so a checkpoint matches its state."""
         directory = self._directory()
-        tally = [0, 0, 0, 0, 0]  # applied, duplicates, stale, entries, event records
+        tally: list[Any] = [0, 0, 0, 0, 0, {}]  # applied, duplicates, stale, entries, event records, not indexable
         nbytes = 0
         t0 = time.perf_counter()
         run: list[tuple[int, int, Any]] = []
@@ -530,19 +532,19 @@ class KafkaSource:
                     run = []
                     self._apply_control(directory, m, p, o)
             self._apply_run(directory, run, tally)
-        ok, dup, stale, entries, n_events = tally
+        ok, dup, stale, entries, n_events, not_indexable = tally
         self._note_ingested(nbytes)
         self.records_applied += n_events
         self.entries_applied += entries
         self.m_records.labels("events").inc(n_events)
         self.m_entries.inc(entries)
-        self._metrics.observe_events(ok, dup, stale, time.perf_counter() - t0, entries)
+        self._metrics.observe_events(ok, dup, stale, time.perf_counter() - t0, entries, not_indexable)
         for p in self._partitions:
             self.m_position.labels(str(p)).set(self._next.get(p, 0))
         with self._applied_cv:
             self._applied_cv.notify_all()
 
-    def _apply_run(self, directory: KeyDirectory, run: list[tuple[int, int, Any]], tally: list[int]) -> None:
+    def _apply_run(self, directory: KeyDirectory, run: list[tuple[int, int, Any]], tally: list[Any]) -> None:
         if not run:
             return
         for (p, o, _), report in zip(run, directory.apply_many([parsed for _, _, parsed in run])):
@@ -558,6 +560,8 @@ class KafkaSource:
                 tally[2] += c.stale
                 tally[3] += report.entries_applied
                 tally[4] += 1
+                for reason, n in report.not_indexable.items():
+                    tally[5][reason] = tally[5].get(reason, 0) + n
 
     def _skip(self, p: int, o: int, reason: str, detail: str) -> None:
         self.records_skipped += 1
@@ -568,35 +572,22 @@ class KafkaSource:
                         detail[:300])
 
     def _apply_control(self, directory: KeyDirectory, m: Any, p: int, o: int) -> None:
-        """Apply one registry record (directory lock held; see ``records.py``)."""
+        """Apply one registry record (directory lock held) through the one
+        ``control.apply_control``; this transport's own part is the log position of each
+        instance's last register/heartbeat, which an expiry fence must name to apply."""
         try:
             doc = decode_control(m.value())
         except ControlRecordError as exc:
             self._skip(p, o, "control_invalid", str(exc))
             return
-        op, iid, ts = doc["op"], doc["instance_id"], float(doc["ts"])
-        reg, events = self._registry, self._metrics.instance_events
-        if op == "register":
-            _, again = reg.register(iid, doc["ip"], doc["http_port"], metadata=doc.get("metadata") or {},
-                                    p2p_advertised_url=str(doc.get("p2p_advertised_url", "")),
-                                    mq_port=int(doc.get("mq_port", 0)), at=ts, registered_at=ts)
-            self._hb_pos[iid] = (p, o)
-            events.labels("re_registered" if again else "registered").inc()
-        elif op == "heartbeat":
-            if reg.heartbeat(iid, at=ts):
+        op, iid = doc["op"], doc["instance_id"]
+        if op != "expire" or self._hb_pos.get(iid) == tuple(doc["last"]):
+            out = apply_control(doc, registry=self._registry, directory=directory,
+                                instance_events=self._metrics.instance_events, at=float(doc["ts"]))
+            if op in ("register", "heartbeat") and out.applied:
                 self._hb_pos[iid] = (p, o)
-        elif op == "deregister":
-            reg.remove(iid)
-            self._hb_pos.pop(iid, None)
-            directory.drop_instance(iid)
-            events.labels("deregistered").inc()
-        elif op == "expire":
-            if self._hb_pos.get(iid) == tuple(doc["last"]) and reg.expire_instance(iid):
+            elif op == "deregister" or out.applied:
                 self._hb_pos.pop(iid, None)
-                result = directory.drop_instance(iid, forget_capacity=False)
-                events.labels("expired").inc()
-                log.warning("expired instance %s (fence from %s): fenced %d L1 placements", iid,
-                            doc.get("reaper", "?"), result.placements)
         self.m_records.labels("control").inc()
 
     # ------------------------------------------------------------------ producing
@@ -669,7 +660,7 @@ class KafkaSource:
             await self.publish_control("expire", iid, wait_applied=0, last=list(pos), reaper=self.replica_id)
             fenced.append(iid)
         if fenced:
-            log.warning("reaper %s: expiry fences appended for %s", self.replica_id, fenced)
+            log.warning("reaper %s: expiry fences appended for %s", self.replica_id, [log_safe(i) for i in fenced])
         return fenced
 
     # ------------------------------------------------------------------ reads

@@ -1,0 +1,244 @@
+"""The event-source seam: where ``POST /events`` and the registry calls go.
+
+Question answered: "a producer sent events, or an MP server registered, heartbeated or
+left: what happens, in this transport?" Routes call :class:`EventSource` and never ask
+which transport runs (``ServiceContext.events`` is always one):
+
+- :class:`HttpPushSource` (``--event-transport http``, one node): applied here, on the
+  events thread (arrival order), then forwarded to an ``--upstream-coordinator`` if set;
+- :class:`KafkaLogSource` (``--event-transport kafka``, N replicas): appended to the log
+  (``sources/kafka.py``) and applied by every replica, this one included, as it reads it.
+
+Registry records are applied by the one ``sources.control.apply_control`` in both: HTTP
+push calls it with a record built from the request, the Kafka source with the record it
+read. Client-supplied strings reach log lines through ``log_safe`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Protocol
+from urllib.parse import quote
+
+from fastapi.exceptions import RequestValidationError
+from pydantic_core import from_json
+
+from blendmatch.index.key_directory import ApplyReport, KeyDirectory
+from blendmatch.index.logsafe import log_safe
+from blendmatch.index.wire import EventValidationError, parse_event_body
+
+from .errors import Forbidden, TooManyInstances
+from .schemas import CacheEventsResponse
+from .sources.control import apply_control
+
+if TYPE_CHECKING:
+    from .context import ServiceContext
+
+__all__ = ["EventSource", "HttpPushSource", "KafkaLogSource", "MayActFor"]
+
+log = logging.getLogger("blendmatch.service.events")
+
+#: The caller's producer instance patterns (``access.instance_filter``); None: any instance.
+MayActFor = Optional[Callable[[str], bool]]
+
+
+class EventSource(Protocol):
+    """One transport's answers to the event and registry routes (see the module docstring)."""
+
+    async def post_events(self, raw: bytes, may_act_for: MayActFor = None) -> bytes:
+        """The reply body of one ``POST /events``; raises what the handlers map (422, 403, 429, 503)."""
+
+    async def register(self, fields: Mapping[str, Any]) -> tuple[str, bool]:
+        """``POST /instances`` (``RegisterRequest`` fields): ``(instance_id, re_registered)``."""
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        """``PUT /instances/{id}/heartbeat``: False for an unknown instance (the route's 404)."""
+
+    async def deregister(self, instance_id: str) -> None:
+        """``DELETE /instances/{id}`` (idempotent)."""
+
+    async def reap_once(self) -> list[str]:
+        """One reaper sweep: the instances expired (HTTP) or fenced through the log (Kafka)."""
+
+
+def _missing_body() -> RequestValidationError:
+    return RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+
+
+def _json_invalid(exc: ValueError) -> RequestValidationError:
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                    "input": {}, "ctx": {"error": str(exc)}}])
+
+
+def _check_producer(instance_ids: Any, may_act_for: MayActFor, done: str) -> None:
+    """403 when the caller's producer patterns do not match a batch's instance id."""
+    if may_act_for is None:
+        return
+    for i, instance_id in enumerate(instance_ids):
+        if not may_act_for(instance_id):
+            raise Forbidden(f"body.batches.{i}.instance_id: this credential may not send events for instance "
+                            f"{json.dumps(log_safe(instance_id))} (its instance patterns do not match; "
+                            f"see docs/security.md); nothing was {done}")
+
+
+def decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: MayActFor = None,
+                     max_instances: int | None = None) -> ApplyReport:
+    """Events thread: JSON-decode, validate whole, check every batch's instance id against
+    the caller's producer patterns (``may_act_for``; None: any instance) and against the
+    bound on tracked instance ids (``max_instances``; None: none), apply. Raises 422-mapped
+    errors, :class:`Forbidden` (403) or :class:`TooManyInstances` (429) with nothing applied.
+    On the events thread, so the count cannot change between the check and the apply."""
+    if not raw:
+        raise _missing_body()
+    try:
+        request = parse_event_body(raw)  # token_ids straight to uint32; the rest by pydantic-core
+    except EventValidationError:
+        raise
+    except ValueError as exc:
+        raise _json_invalid(exc) from None
+    _check_producer((batch.instance_id for batch in request.batches), may_act_for, "applied")
+    if max_instances is not None:
+        check_instance_bound(directory, (batch.instance_id for batch in request.batches), max_instances, "applied")
+    return directory.apply_detailed(request)
+
+
+def check_instance_bound(directory: KeyDirectory, instance_ids: Iterable[str], max_instances: int, done: str) -> None:
+    """The bound on tracked instance ids (``--max-instances``) for one event request:
+    :class:`TooManyInstances` (429) when its ids not tracked yet would take the count of
+    instances with an event cursor past the bound. One rule for both transports: in Kafka
+    mode it is checked before anything is appended, against what this replica applied."""
+    tracked, new = directory.unknown_instances(instance_ids)
+    if new and tracked + len(new) > max_instances:
+        raise TooManyInstances(f"body.batches: instance {json.dumps(log_safe(new[0]))} would be one more than the "
+                               f"{max_instances} instance ids this server tracks (--max-instances; {tracked} now); "
+                               f"ids leave when their instance deregisters or expires; nothing was {done}")
+
+
+class HttpPushSource:
+    """HTTP push: every call is applied in this process (see the module docstring)."""
+
+    transport = "http"
+
+    def __init__(self, ctx: "ServiceContext") -> None:
+        self._ctx = ctx
+
+    def _control(self, record: Mapping[str, Any]) -> Any:
+        ctx = self._ctx
+        return apply_control(record, registry=ctx.registry, directory=ctx.directory,
+                             instance_events=ctx.metrics.instance_events)
+
+    async def post_events(self, raw: bytes, may_act_for: MayActFor = None) -> bytes:
+        ctx = self._ctx
+        t0 = time.perf_counter()
+        report = await ctx.run_event_task(decode_and_apply, ctx.directory, raw, may_act_for, ctx.config.max_instances)
+        ctx.note_ingested(len(raw))
+        counts = report.counts
+        ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,
+                                   report.entries_applied, report.not_indexable)
+        if counts.applied or counts.duplicates or counts.stale:  # the same bytes, for the upstream's gate
+            ctx.forward("events", "POST", "/events", raw)
+        reply = CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale,
+                                    entries_applied=report.entries_applied, entries_not_indexable=report.not_indexable)
+        return reply.__pydantic_serializer__.to_json(reply)
+
+    async def register(self, fields: Mapping[str, Any]) -> tuple[str, bool]:
+        out = self._control({**fields, "op": "register"})  # the registry only: no directory lock
+        # with the id given here, so that the upstream registers the same instance (not a second generated id)
+        self._ctx.forward("register", "POST", "/instances", json.dumps({**fields, "instance_id": out.instance_id}).encode())
+        log.info("%s instance %s at %s:%d", "re-registered" if out.re_registered else "registered",
+                 log_safe(out.instance_id), log_safe(str(fields["ip"])), fields["http_port"])
+        return out.instance_id, out.re_registered
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        if not self._control({"op": "heartbeat", "instance_id": instance_id}).applied:
+            return False
+        self._ctx.forward("heartbeat", "PUT", f"/instances/{quote(instance_id, safe='')}/heartbeat",
+                          instance_id=instance_id)
+        return True
+
+    async def deregister(self, instance_id: str) -> None:
+        ctx = self._ctx
+        out = await ctx.run_event_task(self._control, {"op": "deregister", "instance_id": instance_id})
+        ctx.forward("deregister", "DELETE", f"/instances/{quote(instance_id, safe='')}")
+        log.info("deregistered instance %s (%s): fenced %d L1 placements, %d keys dropped", log_safe(instance_id),
+                 "was registered" if out.applied else "was not registered", out.fenced.placements, out.fenced.keys)
+
+    async def reap_once(self) -> list[str]:
+        """Expire instances silent for more than ``instance_timeout``, each on the events
+        thread (in order with event batches); one that heartbeated since the sweep stays."""
+        ctx = self._ctx
+        expired = []
+        for instance_id, last in ctx.registry.stale():
+            out = await ctx.run_event_task(self._control, {"op": "expire", "instance_id": instance_id,
+                                                           "last_heartbeat": last})
+            if out.applied:
+                expired.append(instance_id)
+        return expired
+
+
+class KafkaLogSource:
+    """Kafka: every call is appended to the log; every replica applies it from there."""
+
+    transport = "kafka"
+
+    def __init__(self, ctx: "ServiceContext", log_source: Any) -> None:
+        self._ctx = ctx
+        self.log = log_source  # sources.kafka.KafkaSource
+
+    def _records(self, raw: bytes, may_act_for: MayActFor = None) -> Any:
+        """Events thread: the request's LMCache records (validated whole by the source), after
+        the same producer instance-pattern check (403) and instance-id bound (429) as HTTP
+        mode, nothing appended when either refuses."""
+        if not raw:
+            raise _missing_body()
+        try:
+            payload = from_json(raw)
+        except ValueError as exc:
+            raise _json_invalid(exc) from None
+        records = self.log.event_records(payload)
+        _check_producer((batch["instance_id"] for batch in payload["batches"]), may_act_for, "appended")
+        check_instance_bound(self._ctx.directory, (str(b["instance_id"]) for b in payload["batches"]),
+                             self._ctx.config.max_instances, "appended")
+        return records
+
+    async def post_events(self, raw: bytes, may_act_for: MayActFor = None) -> bytes:
+        """Validate the request whole (422 as in HTTP mode, nothing appended), append one
+        LMCache record per batch, reply once the broker acknowledged every record:
+        ``{"published": N, "topic": T, "records": [{"partition", "offset"}, ...]}`` (200)."""
+        records = await self._ctx.run_event_task(self._records, raw, may_act_for)
+        return json.dumps(await self.log.publish_events(records), separators=(",", ":")).encode()
+
+    async def register(self, fields: Mapping[str, Any]) -> tuple[str, bool]:
+        """Through the log, so that every replica's registry agrees (applied here before the reply)."""
+        instance_id = fields["instance_id"] or f"mp-{uuid.uuid4().hex}"
+        again = self._ctx.registry.contains(instance_id)
+        await self.log.publish_control("register", instance_id,
+                                       **{k: v for k, v in fields.items() if k != "instance_id"})
+        log.info("%s instance %s at %s:%d (appended to the log)", "re-registered" if again else "registered",
+                 log_safe(instance_id), log_safe(str(fields["ip"])), fields["http_port"])
+        return instance_id, again
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        ctx = self._ctx
+        if ctx.registry.contains(instance_id):
+            await self.log.publish_control("heartbeat", instance_id, wait_applied=0)
+            return True
+        # unknown here: nothing to append; counted as HTTP mode counts it
+        return apply_control({"op": "heartbeat", "instance_id": instance_id}, registry=ctx.registry,
+                             directory=ctx.directory, instance_events=ctx.metrics.instance_events).applied
+
+    async def deregister(self, instance_id: str) -> None:
+        await self.log.publish_control("deregister", instance_id)
+        log.info("deregistered instance %s (appended to the log)", log_safe(instance_id))
+
+    async def reap_once(self) -> list[str]:
+        return await self.log.reap_once()
+
+
+def build_event_source(ctx: "ServiceContext", log_source: Any = None) -> EventSource:
+    """The context's source: Kafka when a log source was built, else HTTP push."""
+    return HttpPushSource(ctx) if log_source is None else KafkaLogSource(ctx, log_source)
+
