@@ -157,8 +157,11 @@ class LogProducer:
                 "unreachable; the records may or may not have been appended, resending is safe") from None
         errors = [err for err, _ in results if err is not None]
         if errors:
-            timed_out = any(e.code() == KafkaError._MSG_TIMED_OUT for e in errors)
-            within = f" within {self.timeout_s:g} s (--kafka-produce-timeout)" if timed_out else ""
-            raise ServiceUnavailable(f"the broker did not acknowledge {len(errors)} of {len(records)} records{within} "
-                                     f"(the others were appended; resending is safe): {errors[0]}")
+            codes = {e.code() for e in errors}
+            why = ("the producer was replaced after an error while they waited" if KafkaError._PURGE_QUEUE in codes
+                   else "the broker may be unreachable" if KafkaError._MSG_TIMED_OUT in codes else str(errors[0]))
+            others = "; the others were appended" if len(errors) < len(records) else ""
+            raise ServiceUnavailable(f"the broker did not acknowledge {len(errors)} of {len(records)} records ({why}; "
+                                     f"appends wait at most {self.timeout_s:g} s, --kafka-produce-timeout){others}; "
+                                     "resending is safe")
         return [pos for _, pos in results]
