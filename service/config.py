@@ -243,6 +243,15 @@ class ServiceConfig(BaseModel):
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000, le=300_000,
                                           description="the reaper role moves this long after its holder died",
                                           json_schema_extra={"group": _FLEET})
+    kafka_produce_timeout: float = Field(
+        default=5.0, gt=0.0, le=300.0, description="seconds POST /events and the registry calls wait for the broker to "
+        "acknowledge their records; then a 503 (a producer that broke is replaced)",
+        json_schema_extra={"group": _FLEET})
+    on_log_reset: Literal["fail", "resync"] = Field(
+        default="fail", description="when the broker lost records this replica applied (restarted empty, topic "
+        "recreated, offsets rewound, fewer partitions): fail = stop following the log, /readyz and /healthz 503 "
+        "with the reason, until an operator acts; resync = forget the index and registry and rebuild them from the "
+        "new log's start (not ready meanwhile)", json_schema_extra={"group": _FLEET})
 
     # issue 25: the admitted stream republished as vLLM KV events (service/publish/,
     # docs/kv-events.md); vLLM's KVEventsConfig names and defaults

@@ -164,7 +164,9 @@ class ServiceContext:
         self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,
                                      require=config.require_checkpoint, max_ready_lag=config.max_ready_lag,
                                      directory=self.directory, registry=self.metrics.registry,
-                                     lag=None if self.source is None else self.source.lag)
+                                     lag=None if self.source is None else self.source.lag,
+                                     log_reasons=None if self.source is None else self.source.not_ready_reasons,
+                                     log_warnings=None if self.source is None else self.source.warnings)
         # The registry (heartbeat times, metadata) answers /instances and decides expiry: it
         # goes into the checkpoint as its own section (declared capacities travel with the
         # directory section).

@@ -83,7 +83,9 @@ class Durability:
     """One per service, for its one directory (a failed restore clears it in place)."""
 
     def __init__(self, path: str, interval_s: float, *, require: bool, max_ready_lag: int,
-                 directory: KeyDirectory, registry: Any, lag: Optional[Callable[[], Optional[int]]] = None) -> None:
+                 directory: KeyDirectory, registry: Any, lag: Optional[Callable[[], Optional[int]]] = None,
+                 log_reasons: Optional[Callable[[], list[str]]] = None,
+                 log_warnings: Optional[Callable[[], list[str]]] = None) -> None:
         self.path = path
         self.interval_s = interval_s
         self.require = require
@@ -93,6 +95,10 @@ class Durability:
         #: Records the log is ahead of what was applied, or None when events do not come
         #: from a log (HTTP push): the log transport's ``lag`` (issue 10).
         self.lag = lag
+        #: The log transport's own reasons not to be ready (a log reset, a cold start's
+        #: catch-up) and its warnings (an unreachable broker); issue 23.
+        self.log_reasons = log_reasons
+        self.log_warnings = log_warnings
         self._lock = threading.Lock()  # one checkpoint at a time
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -339,17 +345,21 @@ class Durability:
                     reasons.append("event log lag unknown")
                 elif lag > self.max_ready_lag:
                     reasons.append(f"event log lag {lag} > --max-ready-lag {self.max_ready_lag}")
+        if self.log_reasons is not None:
+            reasons.extend(self.log_reasons())
         return not reasons, reasons
 
     def warnings(self) -> list[str]:
-        """What ``/readyz`` reports without going not-ready: failing checkpoints."""
+        """What ``/readyz`` reports without going not-ready: failing checkpoints, an
+        unreachable event-log broker."""
+        out = self.log_warnings() if self.log_warnings is not None else []
         if not self.consecutive_failures:
-            return []
+            return out
         since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.failing_since or time.time()))
         last_ok = ("none written by this process" if self.last_at is None else
                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.last_at)))
-        return [f"checkpoint failing: {self.consecutive_failures} attempts in a row since {since} "
-                f"({self.last_error}); last written: {last_ok}; a restart now loses what was applied since"]
+        return out + [f"checkpoint failing: {self.consecutive_failures} attempts in a row since {since} "
+                      f"({self.last_error}); last written: {last_ok}; a restart now loses what was applied since"]
 
     def status(self) -> dict[str, Any]:
         last = self.last

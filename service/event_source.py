@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Protocol
 from urllib.parse import quote
 
 from fastapi.exceptions import RequestValidationError
@@ -101,12 +101,20 @@ def decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: MayActFor
         raise _json_invalid(exc) from None
     _check_producer((batch.instance_id for batch in request.batches), may_act_for, "applied")
     if max_instances is not None:
-        tracked, new = directory.unknown_instances(batch.instance_id for batch in request.batches)
-        if new and tracked + len(new) > max_instances:
-            raise TooManyInstances(f"body.batches: instance {json.dumps(log_safe(new[0]))} would be one more than the "
-                                   f"{max_instances} instance ids this server tracks (--max-instances; {tracked} now); "
-                                   "ids leave when their instance deregisters or expires; nothing was applied")
+        check_instance_bound(directory, (batch.instance_id for batch in request.batches), max_instances, "applied")
     return directory.apply_detailed(request)
+
+
+def check_instance_bound(directory: KeyDirectory, instance_ids: Iterable[str], max_instances: int, done: str) -> None:
+    """The bound on tracked instance ids (``--max-instances``) for one event request:
+    :class:`TooManyInstances` (429) when its ids not tracked yet would take the count of
+    instances with an event cursor past the bound. One rule for both transports: in Kafka
+    mode it is checked before anything is appended, against what this replica applied."""
+    tracked, new = directory.unknown_instances(instance_ids)
+    if new and tracked + len(new) > max_instances:
+        raise TooManyInstances(f"body.batches: instance {json.dumps(log_safe(new[0]))} would be one more than the "
+                               f"{max_instances} instance ids this server tracks (--max-instances; {tracked} now); "
+                               f"ids leave when their instance deregisters or expires; nothing was {done}")
 
 
 class HttpPushSource:
@@ -182,7 +190,8 @@ class KafkaLogSource:
 
     def _records(self, raw: bytes, may_act_for: MayActFor = None) -> Any:
         """Events thread: the request's LMCache records (validated whole by the source), after
-        the same producer instance-pattern check as HTTP mode (403, nothing appended)."""
+        the same producer instance-pattern check (403) and instance-id bound (429) as HTTP
+        mode, nothing appended when either refuses."""
         if not raw:
             raise _missing_body()
         try:
@@ -191,6 +200,8 @@ class KafkaLogSource:
             raise _json_invalid(exc) from None
         records = self.log.event_records(payload)
         _check_producer((batch["instance_id"] for batch in payload["batches"]), may_act_for, "appended")
+        check_instance_bound(self._ctx.directory, (str(b["instance_id"]) for b in payload["batches"]),
+                             self._ctx.config.max_instances, "appended")
         return records
 
     async def post_events(self, raw: bytes, may_act_for: MayActFor = None) -> bytes:

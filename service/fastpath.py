@@ -6,7 +6,7 @@ layers (exception middleware, exit stacks, route matching, request objects, depe
 solving) taking about two thirds of the loop's time per lookup. This ASGI middleware sits
 outside them and answers exactly the requests it can answer *identically*:
 
-- ``GET /healthz``;
+- ``GET /healthz`` (HTTP mode; in Kafka mode the route asks the log source);
 - ``POST /events`` with the same header rules: the route's own ``answer_events`` (the
   events thread decodes, validates and applies the raw body; nothing is decoded on the
   loop), its errors answered by the app's handler functions. The framework stack cost
@@ -83,7 +83,7 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
-        if method == "GET" and path == "/healthz":
+        if method == "GET" and path == "/healthz" and self.context.source is None:  # Kafka mode: the route decides
             await send_json(send, 200, HEALTHZ_BODY)
             return
         route = self._posts.get(path) if method == "POST" else None

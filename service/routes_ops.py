@@ -17,10 +17,19 @@ __all__ = ["router"]
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz", response_model=HealthResponse)
-async def healthz() -> Response:
-    """Liveness: ``{"status": "healthy"}`` while the process serves HTTP."""
-    return Response(HEALTHZ_BODY, media_type="application/json")
+@router.get("/healthz", response_model=HealthResponse,
+            responses={503: {"description": "not live: `{\"status\": \"unhealthy\", \"reason\": ...}`; restart "
+                                            "the process"}})
+async def healthz(ctx: Ctx) -> Response:
+    """Liveness: ``{"status": "healthy"}`` while the process serves HTTP and, in Kafka mode,
+    its log source can go on; 503 with the reason when it cannot (a source thread died, or
+    a log reset under ``--on-log-reset fail``), so that an orchestrator restarts it. A
+    broker outage is not a reason: the source retries by itself (docs/fleet.md)."""
+    problem = ctx.source.health_problem() if ctx.source is not None else None
+    if problem is None:
+        return Response(HEALTHZ_BODY, media_type="application/json")
+    return Response(json.dumps({"status": "unhealthy", "reason": problem}).encode(), status_code=503,
+                    media_type="application/json")
 
 
 @router.get("/metrics", response_class=Response,

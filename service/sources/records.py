@@ -2,7 +2,9 @@
 registry control records.
 
 Question answered: "which bytes does a record carry, and what does a replica do with one?"
-Pure functions and plain data (no Kafka client), so the rules are testable without a broker.
+Pure functions and plain data (no Kafka client), so the rules are testable without a broker;
+:func:`split_run` and :func:`decode_run` take the client's message objects (their
+``error``, ``headers`` and ``value``) and classify a consumed run.
 
 Cache-event records are LMCache 0.5.6's (``KafkaCacheEventSink``): key = the batch's
 ``instance_id`` (UTF-8), value = ``{"batches": [batch]}`` in compact JSON with every field
@@ -33,9 +35,10 @@ from typing import Any, Mapping, Optional
 
 from blendmatch.index.tokens import decode_b64
 from blendmatch.index.types import UNKNOWN_TOKEN_OFFSET
+from blendmatch.index.wire import EventValidationError, parse_event_body, split_event_body
 
 __all__ = ["CONTROL_HEADER", "CONTROL_HEADER_VALUE", "CONTROL_OPS", "ControlRecordError", "control_value",
-           "decode_control", "is_control", "lmcache_record_value"]
+           "decode_control", "decode_run", "is_control", "lmcache_record_value", "split_run"]
 
 CONTROL_HEADER = "blendmatch"
 CONTROL_HEADER_VALUE = b"registry"
@@ -113,3 +116,37 @@ def decode_control(value: Optional[bytes]) -> dict[str, Any]:
         if not (type(last) is list and len(last) == 2 and all(type(x) is int for x in last)):
             raise ControlRecordError("expire needs last = [partition, offset]")
     return doc
+
+
+# ---------------------------------------------------------------------- a consumed run
+def split_run(msgs: list) -> list[tuple[Any, str, Any]]:
+    """The fetch thread's share of decoding: ``(message, kind, what)`` with kind
+    ``fetch_error`` (the error), ``control`` or ``event`` (its token arrays, split out of
+    the JSON without the GIL by ``wire.split_event_body``)."""
+    out: list[tuple[Any, str, Any]] = []
+    for m in msgs:
+        err = m.error()
+        if err is not None:
+            out.append((m, "fetch_error", err))
+        elif is_control(m.headers()):
+            out.append((m, "control", None))
+        else:
+            out.append((m, "event", split_event_body(m.value() or b"")))
+    return out
+
+def decode_run(split: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
+    """The rest of decoding, on the apply thread before it takes the lock: each event
+    becomes its EventRequest, or ``skip`` with ``(reason, detail)``. The parser is
+    ``POST /events``'s."""
+    out: list[tuple[Any, str, Any]] = []
+    for m, kind, what in split:
+        if kind != "event":
+            out.append((m, kind, what))
+            continue
+        try:
+            out.append((m, "event", parse_event_body(m.value() or b"", arrays=what)))
+        except EventValidationError as exc:  # nothing of the record applied
+            out.append((m, "skip", ("invalid", str(exc))))
+        except ValueError as exc:  # not JSON
+            out.append((m, "skip", ("undecodable", str(exc))))
+    return out
