@@ -93,7 +93,7 @@ def _answers(r: Replica, queries: list[np.ndarray]) -> list[Any]:
 
 def _state(r: Replica) -> dict[str, Any]:
     s = r.client.get("/directory/stats").json()
-    for volatile in ("batcher", "engine", "registry", "log"):
+    for volatile in ("batcher", "engine", "registry", "log", "reuse"):  # reuse: this replica's lookups
         s["blendmatch"].pop(volatile, None)
     # the slot table's history counters (rebuilds, mutations) differ after a restore; the
     # table itself, the contents and every answer do not
