@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +33,22 @@ import httpx
 import numpy as np
 import pytest
 
-from blendmatch.index.token_hasher import TokenHasher
+from blendmatch.index.token_hasher import TokenHasher, vllm_none_hash_seed
 from blendmatch.service.config import ServiceConfig
 from test_lmcache_compat import DRIVER, ROOT, LiveServer, lmcache_site  # noqa: F401 - the fixture
+from test_token_hasher import vllm_site  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.compat
 
 CHUNK = 8
 
 
-def _lmcache_answers(site: Path, config: dict, requests: list, tmp_path: Path) -> list:
+def _lmcache_answers(site: Path, config: dict, requests: list, tmp_path: Path,
+                     extra_path: Sequence[Path] = ()) -> list:
     spec = tmp_path / "requests.json"
     spec.write_text(json.dumps({"config": config, "requests": requests}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
+    path = [str(site), *map(str, extra_path), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     got = subprocess.run([sys.executable, str(DRIVER), str(site), "coordinator", str(spec)], capture_output=True,
                          text=True, timeout=600, env=env, cwd=str(ROOT))
     assert got.returncode == 0, got.stderr[-3000:]
@@ -267,10 +271,9 @@ def test_the_batch_endpoint_takes_numbers_as_the_single_one_does():
 
 
 # ----------------------------------------------------------------------------- token-form lookups
-def _lookup_cases(rng: np.random.Generator) -> tuple[list, list]:
+def _lookup_cases(rng: np.random.Generator, hasher: TokenHasher) -> tuple[list, list]:
     """Events storing keys LMCache's servers would name (the hasher's chunk hashes), and the
     token-form lookups to compare."""
-    hasher = TokenHasher("blake3", CHUNK)
     seqs = [rng.integers(0, 150_000, size=n).tolist() for n in (3 * CHUNK + 5, 2 * CHUNK, 4 * CHUNK)]
     events = []
     seq_no = 0
@@ -323,11 +326,17 @@ def _comparable(answer: list) -> list:
                                       for r in body["results"]]]
 
 
-def test_token_form_lookups_answer_as_the_real_coordinator(lmcache_site, tmp_path):
-    events, lookups = _lookup_cases(np.random.default_rng(11))
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256_cbor"])
+def test_token_form_lookups_answer_as_the_real_coordinator(lmcache_site, vllm_site, tmp_path, algorithm):
+    """Keys named as the servers name them (our hasher, itself checked bit for bit against
+    LMCache's in test_token_hasher.py), with LMCache's default hash and vLLM's (loaded from
+    vLLM's wheel by LMCache's coordinator, as in a fleet)."""
+    seed = vllm_none_hash_seed(os.environ)
+    events, lookups = _lookup_cases(np.random.default_rng(11), TokenHasher(algorithm, CHUNK, none_hash_seed=seed))
     requests = events + lookups
-    theirs = _lmcache_answers(lmcache_site, {"chunk_size": CHUNK}, requests, tmp_path)
-    ours = _our_answers(requests, chunk_size=CHUNK)
+    theirs = _lmcache_answers(lmcache_site, {"chunk_size": CHUNK, "hash_algorithm": algorithm}, requests, tmp_path,
+                              extra_path=[vllm_site])
+    ours = _our_answers(requests, chunk_size=CHUNK, hash_algorithm=algorithm)
     assert [a[0] for a in theirs[: len(events)]] == [a[0] for a in ours[: len(events)]] == [200] * len(events)
     got = [_comparable(a) for a in ours[len(events):]]
     want = [_comparable(a) for a in theirs[len(events):]]
