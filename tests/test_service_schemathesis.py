@@ -1,16 +1,19 @@
 """Hostile input, generated from the committed contract: schemathesis against the app over a
 real loopback socket, with ``docs/openapi.json`` (the file clients read) as the schema.
 
-Every operation gets up to ``SCHEMATHESIS_EXAMPLES`` examples (environment variable; 25 by
-default, so the whole run stays well under a minute on 2 cores), positive and negative, with
-every check schemathesis has (not only its default set): no 5xx, every status code documented, every response body
+Every operation gets up to ``EXAMPLES`` examples (25 in CI, so the whole run stays well
+under a minute on 2 cores), positive and negative, with every check schemathesis has (not
+only its default set): no 5xx, every status code documented, every response body
 conforming, schema-valid bodies accepted and schema-invalid ones refused.
 
 Nothing is filtered out: JSON Schema calls ``2.0`` an integer and so does the service (as
 LMCache's models do), and the token form of ``/directory/lookup`` is answered here.
 
-``SCHEMATHESIS_EXAMPLES=200`` (or more) gives the deep run the docs record (docs/service.md);
-the examples are derandomized (a fixed seed), so a run is repeatable.
+The deep run (docs/service.md): ``BLENDMATCH_DEEP_SCHEMATHESIS=1`` gives every operation
+``DEEP_EXAMPLES`` (1,000), or ``SCHEMATHESIS_EXAMPLES`` any other number. The examples are
+derandomized (a fixed seed), so a run is repeatable. Operations with nothing to vary
+(``GET /healthz``, ``GET /directory/stats``, ...) run once whatever the setting: there is
+one request to make.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from service_support import config, served  # noqa: E402
 from test_service_e2e import ServerThread  # noqa: E402
 
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "docs" / "openapi.json"
-EXAMPLES = int(os.environ.get("SCHEMATHESIS_EXAMPLES", "25"))
+#: Examples per operation in CI (the whole run well under a minute on 2 cores) and deep.
+CI_EXAMPLES, DEEP_EXAMPLES = 25, 1000
+EXAMPLES = int(os.environ.get("SCHEMATHESIS_EXAMPLES")
+               or (DEEP_EXAMPLES if os.environ.get("BLENDMATCH_DEEP_SCHEMATHESIS") == "1" else CI_EXAMPLES))
 
 schema = schemathesis.openapi.from_path(str(SCHEMA_FILE))
 load_all_checks()
