@@ -53,7 +53,8 @@ class RegisterRequest(BaseModel):
 
     instance_id: Annotated[str, StringConstraints(strip_whitespace=True, max_length=256)] = Field(
         default="", description="blank: the coordinator generates one and returns it")
-    ip: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=256)]
+    # ``\S``: blank after stripping is refused (LMCache's rule), and the schema says so
+    ip: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=256, pattern=r"\S")]
     http_port: WholeInt = Field(ge=1, le=65535)
     metadata: dict[str, str] = Field(default_factory=dict)
     p2p_advertised_url: Annotated[str, StringConstraints(strip_whitespace=True, max_length=2048)] = ""
