@@ -124,7 +124,7 @@ class _Replica:
         import httpx
 
         try:
-            return self.client.get("/directory/stats").json().get("log")
+            return log_stats(self.client.get("/directory/stats").json())
         except httpx.TransportError:
             return None
 
@@ -135,6 +135,14 @@ class _Replica:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.client.close()
+
+
+def log_stats(stats: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The Kafka source's counters in a ``GET /directory/stats`` body: ``blendmatch.log``
+    (None until the source has started). A body without our ``blendmatch`` object (an older
+    blendmatch, or not blendmatch) raises ``KeyError`` instead of reading as "not started"
+    until the catch-up times out."""
+    return stats["blendmatch"].get("log")
 
 
 def _catch_up(replicas: list[_Replica], total: int, entries_total: int, timeout: float = 600) -> list[dict]:

@@ -135,14 +135,24 @@ def check_namespace(ns: Any) -> None:
     """A namespace argument is a :class:`BlendNamespace`."""
     if not isinstance(ns, BlendNamespace):
         raise ValueError(f"namespace must be a BlendNamespace, got {type(ns).__name__}")
+
+
+#: pydantic's bounds for a float read as an integer (exclusive): the int64 range as floats.
+_FLOAT_INT_LOW, _FLOAT_INT_HIGH = -(2.0**63), 2.0**63
+
+
 def whole_number(value: Any) -> Any:
     """An integer field's value as LMCache reads it: a JSON float with no fractional part
     (``870926.0``, ``1e3``, ``-0.0``) is that integer, as JSON Schema and LMCache's lax
     pydantic models say; anything else is returned unchanged for the caller's own check
     (a fractional float, ``inf``, a string and a boolean stay what they are and are
     refused there: JSON Schema calls neither ``"5"`` nor ``true`` an integer, though
-    LMCache's pydantic would take them; docs/lmcache.md)."""
-    if type(value) is float and value.is_integer():
+    LMCache's pydantic would take them; docs/lmcache.md).
+
+    Only floats strictly inside the 64-bit signed range convert, as in pydantic (which
+    answers ``1e30`` "exceeded maximum size" even where an integer literal of any size would
+    do): a float that large has lost its low digits, so it names no exact integer."""
+    if type(value) is float and value.is_integer() and _FLOAT_INT_LOW < value < _FLOAT_INT_HIGH:
         return int(value)
     return value
 

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from blendmatch.index.logsafe import log_safe
 from blendmatch.index.wire_models import WholeInt
@@ -38,6 +38,35 @@ __all__ = ["router", "RegisterRequest", "RegisterResponse", "HeartbeatResponse"]
 router = APIRouter(tags=["instances"])
 
 
+#: What LMCache's ``strip_whitespace`` strips: pydantic's (Rust's) Unicode White_Space, not
+#: Python's ``isspace`` (which also takes U+001C..U+001F).
+_WHITE_SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B)))
+                + "\u2028\u2029\u202f\u205f\u3000")
+#: "Not blank": one character that is not :data:`_WHITE_SPACE`, as an explicit class, so that
+#: the schema's regex means the same in every engine (``\S`` does not).
+_NOT_BLANK = f"[^{_WHITE_SPACE}]"
+
+
+def _stripped(value: str) -> str:
+    return value.strip(_WHITE_SPACE)
+
+
+def _not_blank(value: str) -> str:
+    stripped = _stripped(value)
+    if not stripped:
+        raise ValueError(f"must not be blank, got {value!r}")
+    return stripped
+
+
+# Registration strings are bounded as sent (so the schema's maxLength is the rule: a bound
+# checked after stripping accepted what the schema refuses), then stripped as LMCache does.
+_InstanceId = Annotated[str, StringConstraints(max_length=256), AfterValidator(_stripped)]
+#: Blank after stripping is refused (LMCache's rule), and the schema says so.
+_Ip = Annotated[str, StringConstraints(max_length=256), AfterValidator(_not_blank),
+                Field(json_schema_extra={"minLength": 1, "pattern": _NOT_BLANK})]
+_Url = Annotated[str, StringConstraints(max_length=2048), AfterValidator(_stripped)]
+
+
 class RegisterRequest(BaseModel):
     """Body of ``POST /instances`` (LMCache's ``RegisterRequest``; unknown fields ignored).
     Strict types (``false`` and ``"80"`` are not ports), as every body of this service; an
@@ -45,12 +74,12 @@ class RegisterRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    instance_id: Annotated[str, StringConstraints(strip_whitespace=True, max_length=256)] = Field(
+    instance_id: _InstanceId = Field(
         default="", description="blank: the coordinator generates one and returns it")
-    ip: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=256)]
+    ip: _Ip
     http_port: WholeInt = Field(ge=1, le=65535)
     metadata: dict[str, str] = Field(default_factory=dict)
-    p2p_advertised_url: Annotated[str, StringConstraints(strip_whitespace=True, max_length=2048)] = ""
+    p2p_advertised_url: _Url = ""
     mq_port: WholeInt = Field(default=0, ge=0, le=65535)
 
 

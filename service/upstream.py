@@ -5,8 +5,8 @@ prefetch and delete by tokens) can put blendmatch in front of its coordinator an
 of that, while blend lookups and the directory are answered here. The MP servers keep one
 coordinator URL (blendmatch's); blendmatch splits the traffic:
 
-- **answered here only**: blend lookups, ``/directory/*`` (except the token form of
-  ``POST /directory/lookup``, which needs the fleet's token hasher and is proxied), the
+- **answered here only**: blend lookups, ``/directory/*`` (both forms of
+  ``POST /directory/lookup``: the token form is hashed here with ``--hash-algorithm``), the
   registry reads, ``/healthz``, ``/readyz``, ``/metrics``, ``/admin/*``;
 - **applied here, then forwarded**: ``POST /events``, ``POST /instances``,
   ``PUT /instances/{id}/heartbeat``, ``DELETE /instances/{id}``. The upstream needs them to

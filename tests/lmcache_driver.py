@@ -343,10 +343,16 @@ def coordinator(spec_path: str) -> None:
     """``SPEC`` (JSON: ``config``, LMCache's ``MPCoordinatorConfig`` fields, and ``requests``,
     ``[method, path, json_body_or_raw_string]``): LMCache's own coordinator app (its
     ``create_app``) answers each request in order; prints ``[[status, body], ...]`` (the
-    body parsed as JSON when it is JSON)."""
+    body parsed as JSON when it is JSON). Runs in 3 GiB of address space."""
+    import resource
+
     from fastapi.testclient import TestClient
 
     from lmcache.v1.mp_coordinator.app import create_app
+
+    # a token-form lookup with a huge world_size makes LMCache build its key fan-out until
+    # memory runs out: bounded, it is a MemoryError (a 500) instead of the OOM killer
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
     from lmcache.v1.mp_coordinator.config import MPCoordinatorConfig
 
     with open(spec_path) as f:

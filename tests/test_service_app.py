@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from blendmatch.bench import kafka as kafka_bench, loadtest
 from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.types import pack_kv_rank
@@ -49,6 +50,12 @@ async def test_healthz_and_engine_in_stats():
                               "l1_size_bytes", "l2_count", "l2_size_bytes"}
         assert stats["blend"] == {"num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0,
                                   "table_size": 1024}
+        # the tools that read this body read the same shape (an old-shape body fails loudly)
+        assert kafka_bench.log_stats({**stats, "blendmatch": ours}) is None  # HTTP mode: no log
+        assert kafka_bench.log_stats({"blendmatch": {"log": {"records_applied": 3}}}) == {"records_applied": 3}
+        with pytest.raises(KeyError):
+            kafka_bench.log_stats({"log": {"records_applied": 3}})
+        assert loadtest._replica_of({**stats, "blendmatch": ours}) is None
 
 
 async def test_store_then_blend_lookup_both_token_forms():

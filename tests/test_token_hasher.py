@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from blendmatch.index.token_hasher import ALGORITHMS, TokenHasher, UnknownHashAlgorithm, vllm_none_hash_seed
+from blendmatch.service.config import ServiceConfig
 from test_lmcache_compat import DRIVER, ROOT, lmcache_site  # noqa: F401 - the fixture
 from vllm_hashing import VLLM_VERSION, build_site
 
@@ -24,6 +25,22 @@ def test_unknown_algorithm_names_the_supported_ones():
         TokenHasher("md5", 256)
     with pytest.raises(ValueError, match="chunk_size"):
         TokenHasher("blake3", 0)
+
+
+def test_serve_refuses_an_unknown_algorithm_at_start(capsys):
+    """``blendmatch serve --hash-algorithm md5`` is a usage error naming the flag, the bad
+    name and the supported ones, before anything starts (no socket, no engine)."""
+    from blendmatch.service import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["serve", "--port", "0", "--hash-algorithm", "md5"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2, err
+    assert "--hash-algorithm: " in err and "unknown --hash-algorithm 'md5'" in err
+    assert "supported: blake3, sha256_cbor, sha256_cbor_64bit, sha256" in err
+    for name in ALGORITHMS:  # every supported name is a valid setting, and its hasher builds
+        assert ServiceConfig(hash_algorithm=name).hash_algorithm == name
+        assert TokenHasher(name, 4).algorithm == name
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
