@@ -135,7 +135,8 @@ def supervise(argv: Sequence[str], workers: int, *, replica_id: str, checkpoint_
                     break
             else:
                 time.sleep(0.2)
-        if not stopping["signal"]:
+        on_its_own = not stopping["signal"]  # read before forward() below records its own SIGTERM
+        if on_its_own:
             log.error("worker pid %d exited with status %s: stopping the others", first.pid, first.returncode)
             forward(signal.SIGTERM, None)
         codes = [p.wait() for p in procs]
@@ -150,6 +151,6 @@ def supervise(argv: Sequence[str], workers: int, *, replica_id: str, checkpoint_
     # and one still starting dies of our SIGTERM with 143, which says nothing); after a
     # forwarded signal, the first non-zero status in start order. A child killed by a
     # signal counts as 128+sig.
-    if not stopping["signal"] and first.returncode != 0:
+    if on_its_own and first.returncode != 0:
         codes = [first.returncode]
     return next((c if c > 0 else 128 - c for c in codes if c != 0), 0)
