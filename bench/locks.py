@@ -42,9 +42,11 @@ __all__ = ["TimedLock", "main", "serve_timed", "summarize"]
 
 
 class TimedLock:
-    """An ``RLock`` that records each outermost hold: (acquired at, thread, wait s, hold s)."""
+    """An ``RLock`` that records each outermost hold: (lock, acquired at, thread, wait s, hold s,
+    the holding thread's CPU s during the hold). Hold minus CPU is time the holder spent
+    off CPU with the lock held: waiting for the GIL or descheduled."""
 
-    def __init__(self, inner: Any, name: str, samples: list[tuple[str, float, str, float, float]]) -> None:
+    def __init__(self, inner: Any, name: str, samples: list[tuple[str, float, str, float, float, float]]) -> None:
         self._inner, self._name, self._samples = inner, name, samples
         self._local = threading.local()
 
@@ -56,6 +58,7 @@ class TimedLock:
             depth = getattr(local, "depth", 0)
             if depth == 0:
                 local.at = time.perf_counter()
+                local.cpu = time.thread_time()
                 local.wait = local.at - t0
             local.depth = depth + 1
         return ok
@@ -65,7 +68,7 @@ class TimedLock:
         local.depth -= 1
         if local.depth == 0:
             self._samples.append((self._name, local.at, threading.current_thread().name, local.wait,
-                                  time.perf_counter() - local.at))
+                                  time.perf_counter() - local.at, time.thread_time() - local.cpu))
         self._inner.release()
 
     def __enter__(self) -> bool:
@@ -82,7 +85,7 @@ def serve_timed(out_path: str, serve_argv: Sequence[str]) -> int:
     from blendmatch.index.key_directory import KeyDirectory
     from blendmatch.service.cli import main as cli_main
 
-    samples: list[tuple[str, float, str, float, float]] = []
+    samples: list[tuple[str, float, str, float, float, float]] = []
     for cls, name in ((BlendIndex, "index"), (KeyDirectory, "directory")):
         init = cls.__init__
 
@@ -104,19 +107,21 @@ def _kind(thread: str) -> str:
 
 
 def summarize(samples: Sequence[Sequence[Any]], phases: dict[str, tuple[float, float]]) -> list[dict[str, Any]]:
-    """Rows per (phase, lock, thread kind): count, wait and hold p50/p99/max in ms, holds > 1 ms."""
-    groups: dict[tuple[str, str, str], list[tuple[float, float]]] = {}
-    for lock, at, thread, wait, hold in samples:
+    """Rows per (phase, lock, thread kind): count, wait, hold and CPU-in-hold p50/p99/max in
+    ms, holds > 1 ms, and of those the ones whose CPU time stayed under 1 ms (off CPU)."""
+    groups: dict[tuple[str, str, str], list[tuple[float, float, float]]] = {}
+    for lock, at, thread, wait, hold, cpu in samples:
         for phase, (t0, t1) in phases.items():
             if t0 <= at <= t1:
-                groups.setdefault((phase, lock, _kind(thread)), []).append((wait, hold))
+                groups.setdefault((phase, lock, _kind(thread)), []).append((wait, hold, cpu))
     rows = []
     order = list(phases)
     for (phase, lock, kind), vals in sorted(groups.items(), key=lambda g: (order.index(g[0][0]), g[0][1:])):
         arr = np.asarray(vals) * 1e3
         row: dict[str, Any] = {"phase": phase, "lock": lock, "thread": kind, "count": len(vals),
-                               "over_1ms": int((arr[:, 1] > 1.0).sum())}
-        for j, what in ((0, "wait"), (1, "hold")):
+                               "over_1ms": int((arr[:, 1] > 1.0).sum()),
+                               "over_1ms_off_cpu": int(((arr[:, 1] > 1.0) & (arr[:, 2] < 1.0)).sum())}
+        for j, what in ((0, "wait"), (1, "hold"), (2, "cpu")):
             row.update({f"{what}_p50_ms": float(np.percentile(arr[:, j], 50)),
                         f"{what}_p99_ms": float(np.percentile(arr[:, j], 99)), f"{what}_max_ms": float(arr[:, j].max())})
         rows.append(row)
@@ -124,12 +129,13 @@ def summarize(samples: Sequence[Sequence[Any]], phases: dict[str, tuple[float, f
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| phase | lock | thread | holds | wait p50 / p99 / max ms | hold p50 / p99 / max ms | holds > 1 ms |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| phase | lock | thread | holds | wait p50 / p99 / max ms | hold p50 / p99 / max ms | "
+           "CPU in hold p50 / p99 / max ms | holds > 1 ms (of them < 1 ms CPU) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['phase']} | {r['lock']} | {r['thread']} | {r['count']:,} | {r['wait_p50_ms']:.3f} / "
                    f"{r['wait_p99_ms']:.3f} / {r['wait_max_ms']:.2f} | {r['hold_p50_ms']:.3f} / "
-                   f"{r['hold_p99_ms']:.3f} / {r['hold_max_ms']:.2f} | {r['over_1ms']:,} |")
+                   f"{r['hold_p99_ms']:.3f} / {r['hold_max_ms']:.2f} | {r['cpu_p50_ms']:.3f} / {r['cpu_p99_ms']:.3f} / "
+                   f"{r['cpu_max_ms']:.2f} | {r['over_1ms']:,} ({r['over_1ms_off_cpu']:,}) |")
     return "\n".join(out)
 
 
