@@ -6,8 +6,9 @@ stand-ins must not leak into the load generator). ``SITE`` is the unpacked wheel
 directory holding ``lmcache/``; the test suite unpacks it into
 ``.pytest_cache/lmcache-0.5.6``). The stand-ins replace only what LMCache imports but never
 runs on the coordinator's paths: ``torch`` (annotations and defaults at import time) and two
-modules that pull in its libtorch-linked extension (the same set ``tests/lmcache_driver.py``
-installs). Blend lookup is on, health and eviction checks off (nothing to check in a bench).
+modules that pull in its libtorch-linked extension (:func:`install_stand_ins`, which
+``tests/lmcache_driver.py`` uses too). Blend lookup is on, health and eviction checks off
+(nothing to check in a bench).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class _AnyMeta(type):
     def __getattr__(cls, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return _AnyMeta(name, (_Any,), {})
+        sub = _AnyMeta(name, (_Any,), {})
+        setattr(cls, name, sub)
+        return sub
 
 
 class _Any(metaclass=_AnyMeta):
@@ -43,35 +46,50 @@ class _Any(metaclass=_AnyMeta):
     def __bool__(self):
         return False
 
+    def __iter__(self):
+        return iter(())
 
-class _Torch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _AnyMeta(name, (_Any,), {})
+        setattr(self, name, value)
+        return value
+
+
+class _TorchFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "torch" or fullname.startswith("torch."):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
-        mod = types.ModuleType(spec.name)
+        mod = _StubModule(spec.name)
         mod.__path__ = []
-        mod.__getattr__ = lambda name: _AnyMeta(name, (_Any,), {})  # type: ignore[attr-defined]
         if spec.name == "torch":
-            mod.__version__ = "0.0.0+stand-in"  # type: ignore[attr-defined]
-            mod.Size = type("Size", (tuple,), {})  # type: ignore[attr-defined]
-            mod.dtype = type("dtype", (), {})  # type: ignore[attr-defined]
+            mod.__version__ = "0.0.0+stand-in"
+            mod.Size = type("Size", (tuple,), {})
+            mod.dtype = type("dtype", (), {})
         return mod
 
     def exec_module(self, module):
         return None
 
 
-def main(site: str, port: int, chunk_size: int) -> None:
+def install_stand_ins(site: str) -> None:
     sys.path.insert(0, site)
-    sys.meta_path.insert(0, _Torch())
+    sys.meta_path.insert(0, _TorchFinder())
     for name, attr in (("lmcache.v1.memory_management", "MemoryObj"),
                        ("lmcache.v1.mp_observability.config", "ObservabilityConfig")):
         mod = types.ModuleType(name)
         setattr(mod, attr, type(attr, (), {}))
         sys.modules[name] = mod
+
+
+def main(site: str, port: int, chunk_size: int) -> None:
+    install_stand_ins(site)
     logging.disable(logging.INFO)  # LMCache logs every registration at INFO
     import uvicorn
 
