@@ -45,7 +45,7 @@ adds ``packed_paced`` and ``packed_paced_kv_events``: the same requests offered 
 entries/s, off and on; ``*_achieved_entries_per_s`` and ``*_cpu_us_per_entry`` for each,
 ``kv_events_paced_overhead`` the relative loss of achieved rate.
 
-Run: ``python -m blendmatch.bench.events [--entries N] [--batch N] [--chunk-size N]
+Run: ``python -m blendmatch.bench.events [--entries N] [--batch N[,N]] [--chunk-size N]
 [--engine cpu] [--repeats N] [--no-memory] [--json] [--kv-events]``.
 """
 
