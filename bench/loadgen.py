@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["Conn", "WRK_LUA", "closed_loop", "free_port", "get_request", "percentile_ms", "post_request",
-           "proc_cpu_s", "request_parts", "spawn_server", "stop_server", "wrk_available", "wrk_loop"]
+           "proc_cpu_s", "request_parts", "spawn_process", "spawn_server", "stop_server", "wrk_available", "wrk_loop"]
 
 
 # ---------------------------------------------------------------------- server process
@@ -46,6 +46,13 @@ def spawn_server(args: Sequence[str], *, log_path: str | os.PathLike | None = No
     """
     port = free_port()
     cmd = [sys.executable, "-m", "blendmatch", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    return spawn_process(cmd, port, log_path=log_path, timeout=timeout)
+
+
+def spawn_process(cmd: Sequence[str], port: int, *, log_path: str | os.PathLike | None = None,
+                  timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd``, a server that will listen on ``127.0.0.1:port``, and wait for its
+    ``GET /healthz`` (blendmatch's or LMCache's coordinator: ``loadtest --vs-lmcache``)."""
     if log_path is not None:
         with open(log_path, "wb") as out:  # the child keeps its own descriptor
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

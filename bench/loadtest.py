@@ -13,9 +13,18 @@ What one run does (blendmatch loadtest --spawn --compare, the default):
    - lookup: POST /directory/blend-lookup with --tokens-token queries
      (tokens_b64), each containing --matches-per-query stored chunks;
    - lookup+events: the same while one more client streams STORE events at
-     --event-rate entries per second (--event-batch entries per request);
-4. print one table: requests/s, tokens/s, p50/p99 latency, errors, and the mean batch the
-   server formed in that phase (from GET /directory/stats before and after).
+     --event-rate entries per second (--event-batch entries per request; default 5,000/s
+     in 64-entry batches, LMCache JSON token_ids: issue 28's setting);
+   - events BxP (first configuration only, --ingest-duration s each): --posters concurrent
+     posters (default 4) send POST /events back to back, B entries per request for each B
+     of --ingest-batches (default 64 and 1,000), every entry a new chunk: the ingest rate;
+4. with --vs-lmcache SITE, LMCache 0.5.6's real coordinator app from its wheel
+   (bench/lmcache_serve.py) is filled with the same chunks and measured with the same
+   lookups, in the same run;
+5. print one table: requests/s, tokens/s, p50/p99 latency, errors, and the mean batch the
+   server formed in that phase (from GET /directory/stats before and after); then issue
+   28's table (bench/posters.py: issue_table): every figure, with batch sizes and poster
+   counts, against its target.
 
 With --url http://127.0.0.1:PORT it measures a server you started instead (no
 comparison; it fills only with --fill). Only loopback addresses are accepted, and every
@@ -52,13 +61,13 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .loadgen import (Conn, closed_loop, get_request, percentile_ms, post_request, proc_cpu_s, spawn_server,
-                      stop_server, wrk_available, wrk_loop)
+from .loadgen import (Conn, closed_loop, free_port, get_request, percentile_ms, post_request, proc_cpu_s,
+                      spawn_process, spawn_server, stop_server, wrk_available, wrk_loop)
+from .posters import MODEL, StoreBodies, entry_text, events_body, issue_table, post_loop
 
 __all__ = ["main", "spawn_server", "stop_server", "PhaseResult", "LOOPBACK_HOSTS"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-MODEL = "loadtest-model"
 _FILL_BATCH = 2000  # entries per fill request (~3 MB of JSON at 256 tokens)
 
 
@@ -90,7 +99,7 @@ class Workload:
             rows = self.block(b)
             entries = [_entry(start + j, row, ((start + j) % 64) * self.chunk_size) for j, row in enumerate(rows)]
             for k in range(0, len(entries), per_request):
-                bodies.append(_events_body("loadtest-fill", seq, entries[k:k + per_request]))
+                bodies.append(events_body("loadtest-fill", seq, entries[k:k + per_request]))
                 seq += 1
         return bodies
 
@@ -117,18 +126,7 @@ class Workload:
 
 
 def _entry(i: int, row: np.ndarray, offset: int, model: str = MODEL) -> str:
-    return _entry_text(i, ",".join(map(str, row.tolist())), offset, model)
-
-
-def _entry_text(i: int, token_text: str, offset: int, model: str = MODEL) -> str:
-    return ('{"key":{"chunk_hash_hex":"%032x","model_name":"%s","kv_rank":16777216,"object_group_id":0,'
-            '"cache_salt":""},"size_bytes":1048576,"token_offset":%d,"token_ids":[%s]}'
-            % (i & ((1 << 128) - 1), model, offset, token_text))
-
-
-def _events_body(instance: str, seq: int, entries: list[str]) -> bytes:
-    return ('{"batches":[{"instance_id":"%s","incarnation":0,"seq":%d,"event_type":"store","tier":"l1",'
-            '"backend":"LocalCPUBackend","entries":[%s]}]}' % (instance, seq, ",".join(entries))).encode()
+    return entry_text(i, ",".join(map(str, row.tolist())), offset, model)
 
 
 # ---------------------------------------------------------------------- phases
@@ -163,23 +161,13 @@ async def _event_stream(host: str, port: int, rate: float, batch: int, chunk_siz
     clock (a slow server makes it fall behind, which the achieved rate shows)."""
     conn = await Conn(host, port).open()
     interval = batch / rate
-    rng = np.random.default_rng(seed)
-    # Pre-formatted token text: formatting 256 random ids per entry in Python cost ~50 us,
-    # which at 5,000 entries/s took a quarter of a core from the server being measured.
-    # Each entry is a unique first id + one of 1,024 random tails: fresh content every time.
-    tails = [",".join(map(str, row.tolist())) for row in
-             rng.integers(0, 50_000, size=(1024, chunk_size - 1), dtype=np.uint32)]
+    bodies = StoreBodies(f"{host}:{port}", f"loadtest-stream-{seed}", chunk_size, first_id, seed)
     sent = 0
     errors = 0
     lat: list[float] = []
-    seq = 1
-    instance = f"loadtest-stream-{seed}"
     next_at = time.perf_counter()
-    i = first_id
     while not stop.is_set():
-        body = _events_body(instance, seq, [_entry_text(i + j, "%d,%s" % ((i + j) % 4_000_000_000, tails[(i + j) % 1024]), 0)
-                                            for j in range(batch)])
-        raw = post_request(host, "/events", body)
+        raw = bodies.next(batch)
         delay = next_at - time.perf_counter()
         if delay > 0:
             try:
@@ -196,8 +184,6 @@ async def _event_stream(host: str, port: int, rate: float, batch: int, chunk_siz
             await conn.close()
         lat.append(time.perf_counter() - t0)
         sent += batch
-        seq += 1
-        i += batch
         next_at += interval
     await conn.close()
     return sent, lat, errors
@@ -301,6 +287,25 @@ async def run_phase(host: str, port: int, *, config: str, phase: str, requests: 
     return res
 
 
+async def ingest_phase(host: str, port: int, *, config: str, posters: int, batch: int, duration: float,
+                       chunk_size: int, first_id: int, server_pid: int | None = None) -> PhaseResult:
+    """``POST /events`` as fast as ``posters`` concurrent posters get answers, ``batch``
+    entries per request (LMCache's JSON, ``token_ids`` lists), every entry a new chunk."""
+    cpu0 = proc_cpu_s(server_pid)
+    got = await post_loop(host, port, posters=posters, batch=batch, duration=duration, chunk_size=chunk_size,
+                          first_id=first_id)
+    cpu1 = proc_cpu_s(server_pid)
+    wall = got["seconds"]
+    res = PhaseResult(config, f"events {batch}x{posters}", posters, got["posts"], got["errors"], wall,
+                      got["posts"] / wall, got["entries"] * chunk_size / wall, got["p50_ms"], got["p99_ms"],
+                      got["max_ms"], events_sent=got["entries"], event_entries_per_s=got["entries"] / wall,
+                      event_p99_ms=got["p99_ms"])
+    if cpu0 is not None and cpu1 is not None and got["posts"]:
+        res.server_cpu_us_per_req = (cpu1 - cpu0) / got["posts"] * 1e6
+    res.notes.append(f"generator CPU {got['generator_cpu_s'] / max(got['entries'], 1) * 1e6:.1f} us/entry")
+    return res
+
+
 async def fill(host: str, port: int, workload: Workload, per_request: int = _FILL_BATCH) -> float:
     """Store ``workload.chunks`` chunks; returns seconds taken (server side included)."""
     conn = await Conn(host, port).open()
@@ -339,7 +344,8 @@ def _make_check(expect_min: int):
 
 
 async def _measure(url: str, config_name: str, args: argparse.Namespace, workload: Workload, *,
-                   healthz: bool, fill_first: bool, server_pid: int | None = None) -> list[PhaseResult]:
+                   healthz: bool, fill_first: bool, server_pid: int | None = None,
+                   ingest: bool = True) -> list[PhaseResult]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", int(parts.port or 80)
     hosthdr = f"{host}:{port}"
@@ -365,11 +371,16 @@ async def _measure(url: str, config_name: str, args: argparse.Namespace, workloa
     results.append(await run_phase(host, port, config=config_name, phase="lookup", requests=requests,
                                    tokens=workload.tokens, duration=args.duration, check=check, **common))
     print(_row(results[-1]), flush=True)
-    if args.event_rate > 0:
+    if args.event_rate > 0 and ingest:
         results.append(await run_phase(host, port, config=config_name, phase="lookup+events", requests=requests,
                                        tokens=workload.tokens, duration=args.duration, check=check,
                                        event_rate=args.event_rate, event_batch=args.event_batch,
                                        event_first_id=(1 << 60) + len(results) * (1 << 40), **common))
+        print(_row(results[-1]), flush=True)
+    for k, batch in enumerate(args.ingest_batches if ingest and args.posters else ()):
+        results.append(await ingest_phase(host, port, config=config_name, posters=args.posters, batch=batch,
+                                          duration=args.ingest_duration, chunk_size=workload.chunk_size,
+                                          first_id=(1 << 61) + k * (1 << 44), server_pid=server_pid))
         print(_row(results[-1]), flush=True)
     return results
 
@@ -395,6 +406,28 @@ def table(results: list[PhaseResult]) -> str:
     return "\n".join([_HEADER, sep, *(_row(r) for r in results)])
 
 
+LMCACHE = "LMCache 0.5.6"
+
+
+def _measure_lmcache(args: argparse.Namespace, workload: Workload) -> list[PhaseResult]:
+    """LMCache's real coordinator (``bench/lmcache_serve.py``) filled with the same chunks,
+    then the same lookup phase (its lookups only: it is the reference for lookups/s)."""
+    import sys
+
+    site = Path(args.vs_lmcache).resolve()
+    if not (site / "lmcache" / "v1" / "mp_coordinator" / "app.py").is_file():
+        raise SystemExit(f"blendmatch loadtest: --vs-lmcache {site} holds no unpacked LMCache wheel")
+    port = free_port()
+    log_path = Path(args.server_log_dir) / "lmcache.log" if args.server_log_dir else None
+    proc, url = spawn_process([sys.executable, str(Path(__file__).with_name("lmcache_serve.py")), str(site), str(port),
+                               str(args.chunk_size)], port, log_path=log_path)
+    try:
+        return asyncio.run(_measure(url, LMCACHE, args, workload, healthz=False, fill_first=True,
+                                    server_pid=proc.pid, ingest=False))
+    finally:
+        stop_server(proc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blendmatch loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -414,9 +447,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matches-per-query", type=int, default=4, help="stored chunks inside each query")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per phase (default %(default)s)")
     p.add_argument("--max-requests", type=int, default=2_000_000, help="request cap per phase")
-    p.add_argument("--event-rate", type=float, default=1000.0,
+    p.add_argument("--event-rate", type=float, default=5000.0,
                    help="STORE entries/s during the lookup+events phase; 0 skips it (default %(default)s)")
-    p.add_argument("--event-batch", type=int, default=50, help="entries per event request (default %(default)s)")
+    p.add_argument("--event-batch", type=int, default=64, help="entries per event request (default %(default)s)")
+    p.add_argument("--posters", type=int, default=None,
+                   help="concurrent posters in the ingest phases (which store new chunks); 0 skips them "
+                        "(default 4 with --spawn, 0 with --url: a running server is not grown unasked)")
+    p.add_argument("--ingest-batches", type=lambda v: [int(x) for x in v.split(",")], default=[64, 1000],
+                   metavar="B,B", help="entries per POST /events in the ingest phases, one phase each "
+                                       "(default 64,1000)")
+    p.add_argument("--ingest-duration", type=float, default=5.0, help="seconds per ingest phase (default %(default)s)")
+    p.add_argument("--vs-lmcache", metavar="SITE",
+                   help="also measure LMCache 0.5.6's real coordinator app (SITE: the unpacked wheel, e.g. "
+                        ".pytest_cache/lmcache-0.5.6) on the same chunks and lookups, in the same run")
     p.add_argument("--fill", action="store_true", help="with --url: store --chunks chunks first")
     p.add_argument("--fill-batch", type=int, default=_FILL_BATCH,
                    help="entries per fill request (200 for a Kafka-mode server: one record per batch)")
@@ -446,6 +489,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"blendmatch loadtest: --{name.replace('_', '-')} must be >= 1")
     if args.duration <= 0 or args.duration > 600:
         raise SystemExit("blendmatch loadtest: --duration must be in (0, 600] seconds")
+    if args.posters is None:
+        args.posters = 0 if args.url else 4
+    if args.posters < 0 or not 0 < args.ingest_duration <= 600 or min(args.ingest_batches) < 1:
+        raise SystemExit("blendmatch loadtest: --posters >= 0, --ingest-duration in (0, 600], --ingest-batches >= 1")
     workload = Workload(args.chunk_size, args.chunks, args.tokens, args.matches_per_query)
     if args.generator == "auto":
         args.generator = "wrk" if wrk_available() else "python"
@@ -460,9 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         host = urlsplit(args.url).hostname
         if host not in LOOPBACK_HOSTS:
             raise SystemExit(f"blendmatch loadtest: only loopback servers may be driven, got {host!r}")
-        results += asyncio.run(_measure(args.url, "as running", args, workload, healthz=True, fill_first=args.fill,
+        config = "as running"
+        results += asyncio.run(_measure(args.url, config, args, workload, healthz=True, fill_first=args.fill,
                                         server_pid=args.server_pid))
     else:
+        config = "batching"
         configs: list[tuple[str, list[str]]] = [("batching", [])]
         if args.compare:
             configs.append(("no batching", ["--max-batch-tokens", str(args.tokens)]))
@@ -475,11 +524,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc, url = spawn_server(server_args, log_path=log_path)
             try:
                 results += asyncio.run(_measure(url, name, args, workload, healthz=(i == 0), fill_first=True,
-                                                server_pid=proc.pid))
+                                                server_pid=proc.pid, ingest=(i == 0)))
             finally:
                 stop_server(proc)
+    if args.vs_lmcache:
+        results += _measure_lmcache(args, workload)
     print()
     print(table(results))
+    print(f"\nIssue 28's figures ({args.tokens}-token tokens_b64 lookups over {args.chunks:,} chunks of "
+          f"{args.chunk_size}, {args.clients} clients, {args.generator}; ingest phases {args.ingest_duration:g} s "
+          "each, every entry a new chunk):\n")
+    print(issue_table(results, config=config, lmcache=LMCACHE if args.vs_lmcache else None,
+                      event_rate=args.event_rate, event_batch=args.event_batch, posters=args.posters,
+                      ingest_batches=args.ingest_batches))
     by = {(r.config, r.phase): r for r in results}
     if ("batching", "lookup") in by and ("no batching", "lookup") in by:
         ratio = by[("batching", "lookup")].rps / max(by[("no batching", "lookup")].rps, 1e-9)

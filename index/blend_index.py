@@ -179,6 +179,12 @@ class BlendIndex:
             results[lo:hi] = part
         return results
 
+    def prepare_add(self, rows: int) -> None:
+        """Before taking :attr:`write_lock` for adds of up to ``rows`` new contents: allocate
+        outside it the token block they would allocate under it (``TokenStore.prepare``).
+        Changes nothing a lookup sees; a racy read of the row count only sizes the guess."""
+        self._tokens.prepare(self._c.size + rows)
+
     #: Rows of one ``add_many`` applied per hold of the index lock (see ``add_many``).
     ADD_MANY_ROWS_PER_LOCK = 256
 

@@ -234,6 +234,8 @@ class IngestPath:
 
     def _flush(self) -> None:
         if self._adds.blocks:
+            if not self._holding:  # a new token block, if one is needed, is mapped before the hold
+                self.index.prepare_add(len(self._adds.hashes))  # type: ignore[union-attr]
             self._hold_index()
         self._adds.flush(self.index)
 

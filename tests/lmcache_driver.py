@@ -18,8 +18,6 @@ extension). Everything else is LMCache's code, unmodified; the only patch is the
 from __future__ import annotations
 
 import asyncio
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import socket
@@ -30,72 +28,9 @@ import types
 
 
 # ----------------------------------------------------------------------------- stand-ins
-class _AnyMeta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        sub = _AnyMeta(name, (_Any,), {})
-        setattr(cls, name, sub)
-        return sub
-
-
-class _Any(metaclass=_AnyMeta):
-    """Any attribute, any call, falsy: enough for annotations, aliases and defaults."""
-
-    def __init__(self, *a, **k):
-        pass
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Any()
-
-    def __call__(self, *a, **k):
-        return _Any()
-
-    def __bool__(self):
-        return False
-
-    def __iter__(self):
-        return iter(())
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _AnyMeta(name, (_Any,), {})
-        setattr(self, name, value)
-        return value
-
-
-class _TorchFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torch" or fullname.startswith("torch."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        mod = _StubModule(spec.name)
-        mod.__path__ = []
-        if spec.name == "torch":
-            mod.__version__ = "0.0.0+stand-in"
-            mod.Size = type("Size", (tuple,), {})
-            mod.dtype = type("dtype", (), {})
-        return mod
-
-    def exec_module(self, module):
-        return None
-
-
-def install_stand_ins(site: str) -> None:
-    sys.path.insert(0, site)
-    sys.meta_path.insert(0, _TorchFinder())
-    for name, attr in (("lmcache.v1.memory_management", "MemoryObj"),
-                       ("lmcache.v1.mp_observability.config", "ObservabilityConfig")):
-        mod = types.ModuleType(name)
-        setattr(mod, attr, type(attr, (), {}))
-        sys.modules[name] = mod
+# torch and two libtorch-linked modules, replaced: one copy, shared with the load test's
+# LMCache server (bench/lmcache_serve.py)
+from blendmatch.bench.lmcache_serve import install_stand_ins  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- LMCache events
