@@ -10,9 +10,13 @@ import threading
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
 from blendmatch.index import (BlendIndex, BlendLookupDisabled, BlendNamespace, KeyDirectory, ObjectKey, wire_batch,
                               wire_entry)
+
+from blendmatch.service.app import create_app
+from blendmatch.service.config import ServiceConfig
 
 from lmcache_port_support import NS, apply_batch, as_tuples, blend_directory, okey, query, tokens_of
 
@@ -328,15 +332,25 @@ def test_a_later_offset_bearing_store_makes_the_chunk_matchable():
 
 
 def test_blend_lookup_is_off_until_enabled():
-    """Ports test_blend_index.py::test_blend_lookup_is_off_until_enabled. Differs: a blend
-    lookup on a directory that never enabled it raises ``BlendLookupDisabled`` here (the
-    service answers it as an error, not as an empty match list); LMCache returns ``[]``."""
+    """Ports test_blend_index.py::test_blend_lookup_is_off_until_enabled. Differs in-process
+    only: ``KeyDirectory.blend_match`` on a directory that never enabled blend lookup raises
+    ``BlendLookupDisabled`` (LMCache's returns ``[]``); over HTTP the answer is LMCache's."""
     d = KeyDirectory()
     _store(d, [okey(1)], [10, 11, 12, 13], seq=1)
     assert d.blend_index is None and d.stats()["blend_index"] is None  # nothing indexed
     with pytest.raises(BlendLookupDisabled):
         d.blend_match(query(10, 11, 12, 13), NS)
     assert tokens_of(d, 1) == [[10, 11, 12, 13]]  # the binding is still recorded
+
+    config = ServiceConfig(host="127.0.0.1", engine="cpu", health_check_interval=0, chunk_size=CHUNK,
+                           enable_blend_lookup=False)
+    with TestClient(create_app(config), client=("127.0.0.1", 50000)) as client:
+        entry = wire_entry(okey(1).chunk_hash, "m", okey(1).kv_rank, size_bytes=100, token_ids=[10, 11, 12, 13],
+                           token_offset=0)
+        assert client.post("/events", json={"batches": [wire_batch("node-a", 1, "store", [entry],
+                                                                   incarnation=1, backend="dram")]}).status_code == 200
+        resp = client.post("/directory/blend-lookup", json={"token_ids": [10, 11, 12, 13], "model_name": "m"})
+        assert (resp.status_code, resp.json()) == (200, {"matches": []})
 
 
 def test_enabling_does_not_retroactively_index_earlier_stores():
