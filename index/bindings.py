@@ -101,6 +101,9 @@ class BindingStore:
         self.index = index
         self.l1_chunks: dict[str, set[bytes]] = {}  # instance -> chunk hashes with its private L1 copy
         self.l1_keys: dict[str, int] = {}  # instance -> keys with a private L1 placement there
+        # instances with a batch applied since their last fence: LMCache's
+        # ``l1_keys_by_instance`` lists each of them, at 0 when it holds no L1 key
+        self.reporters: set[str] = set()
         self.num_keys = 0
         self.num_placements = 0
         self.num_with_tokens = 0
@@ -230,6 +233,7 @@ class BindingStore:
                         continue  # member j died; the next one moved to j
                 j += 1
         self.l1_keys.pop(instance_id, None)
+        self.reporters.discard(instance_id)
         return FenceResult(placements_before - self.num_placements, keys_before - self.num_keys)
 
     def replace_placements(self, h: bytes, b: Binding, j: int, old: tuple[Placement, ...],

@@ -292,6 +292,7 @@ class IngestPath:
 
     def _apply_batch(self, batch: EventBatch, skipped: dict[str, int]) -> None:
         kind = batch.event_type
+        self.store.reporters.add(batch.instance_id)
         if kind == "store":
             self._classify_store(batch, skipped)
             self._store(batch)

@@ -291,7 +291,8 @@ class KeyDirectory:
                 # LMCache 0.5.6's DirectoryStats names first (same meaning), then ours
                 "num_keys": store.num_keys,
                 "num_placements": store.num_placements,
-                "l1_keys_by_instance": dict(store.l1_keys),
+                "l1_keys_by_instance": {inst: store.l1_keys.get(inst, 0)
+                                        for inst in store.reporters | store.l1_keys.keys()},
                 "l1_count": usage.tier_count.get("l1", 0),
                 "l1_size_bytes": usage.tier_bytes.get("l1", 0),
                 "l2_count": usage.tier_count.get("l2", 0),
@@ -375,5 +376,8 @@ class KeyDirectory:
                 raise ValueError("restore needs an empty directory")
             self._store.restore_state(state)
             self._ingest.restore_state(state)
+            # every instance with a cursor had a batch applied since its last fence (the
+            # service fences only through drop_instance, which forgets the cursor too)
+            self._store.reporters = set(self._ingest.gate.cursors())
             self._capacity.restore_state(state["capacity"])
             self.rebuild_usage()  # the used-bytes ledger is derived from the placements

@@ -187,6 +187,19 @@ def test_private_tokens_and_blend_disabled(tmp_path):
         restored(tmp_path / "ck8")
 
 
+def test_reporting_instances_survive_restore(tmp_path):
+    """LMCache's ``l1_keys_by_instance`` lists every instance with a batch applied since its
+    last fence, at 0 when it holds no L1 key: a restore answers the same."""
+    d = fresh(blend=False)
+    d.apply({"batches": [wire_batch("a", 1, "store", [wire_entry(b"h1", "m")]),
+                         wire_batch("a", 2, "delete", [wire_entry(b"h1", "m")]),
+                         wire_batch("b", 1, "store", [wire_entry(b"h2", "m")], tier="l2"),
+                         wire_batch("c", 1, "store", [wire_entry(b"h3", "m")])]})
+    assert d.stats()["l1_keys_by_instance"] == {"a": 0, "b": 0, "c": 1}
+    capture(d, tmp_path / "ck", fork=False)
+    assert restored(tmp_path / "ck", blend=False).stats()["l1_keys_by_instance"] == {"a": 0, "b": 0, "c": 1}
+
+
 def test_inspect_reports_and_verifies(tmp_path):
     d = fresh()
     feed(d, workload(4, 50))
