@@ -32,7 +32,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Callable, TypeVar
 
-import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
@@ -40,7 +39,7 @@ from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.token_hasher import TokenHasher, vllm_none_hash_seed
 from blendmatch.index.tokens import (TokenDecodeError, TokenLimitExceeded, b64_token_count, check_token_count,
                                      decode_b64_many, decode_query_tokens, is_b64_source)
-from blendmatch.index.types import BlendMatch, BlendNamespace
+from blendmatch.index.types import BlendMatch
 
 from .batcher import MicroBatcher
 from .config import ServiceConfig
@@ -134,7 +133,7 @@ class ServiceContext:
         self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
                                         none_hash_seed=vllm_none_hash_seed(os.environ))
         #: Reuse metrics (issue 26): prefix and non-prefix tokens per lookup, by model.
-        self.reuse = ReuseMetrics(self.metrics.registry, lambda: self.directory, self.token_hasher)
+        self.reuse = ReuseMetrics(self.metrics.registry, self.directory, self.token_hasher)
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
             cost=query_tokens,
@@ -158,7 +157,7 @@ class ServiceContext:
         if config.event_transport == "kafka":
             from .sources import build_kafka_source
 
-            self.source = build_kafka_source(config, directory=lambda: self.directory, registry=self.registry,
+            self.source = build_kafka_source(config, directory=self.directory, registry=self.registry,
                                              metrics=self.metrics, restored=lambda: self.durability.restored,
                                              fatal=lambda: self.fatal, note_ingested=self.note_ingested)
         self.durability = Durability(config.checkpoint_path, config.checkpoint_interval,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -57,7 +57,7 @@ Observed = tuple[BlendNamespace, np.ndarray, Sequence[BlendMatch]]
 class ReuseMetrics:
     """The reuse series and totals of one app (module docstring)."""
 
-    def __init__(self, registry: CollectorRegistry, directory: Callable[[], KeyDirectory], hasher: TokenHasher
+    def __init__(self, registry: CollectorRegistry, directory: KeyDirectory, hasher: TokenHasher
                  ) -> None:
         self._directory = directory
         self._hasher = hasher
@@ -93,7 +93,7 @@ class ReuseMetrics:
             run += 1
         if run == 0:
             return 0
-        return leading_held(self._directory().namespace_holds(self._chained(tokens, resolved[:run]), ns))
+        return leading_held(self._directory.namespace_holds(self._chained(tokens, resolved[:run]), ns))
 
     def _chained(self, tokens: np.ndarray, run: Sequence[BlendMatch]) -> list[bytes]:
         """The request's chained hashes of the chunks under ``run`` (the matches at 0, C, ...),

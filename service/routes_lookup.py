@@ -55,7 +55,7 @@ def query_of(body: BlendLookupRequest, where: str = "body") -> LookupQuery:
 
 def placed(ctx: ServiceContext, body: BlendLookupRequest, query: LookupQuery) -> LookupQuery:
     """``query`` answered with placements (``include_placements``, issue 26: ``routing.py``)."""
-    return (*query[:2], PlacedMatches(directory=lambda: ctx.directory, registry=ctx.registry,
+    return (*query[:2], PlacedMatches(directory=ctx.directory, registry=ctx.registry,
                                       namespace=body.namespace, requester=body.requester_instance_id))
 
 

@@ -33,7 +33,7 @@ async def answer_score(ctx: ServiceContext, body: RouteScoreRequest, tokens: Any
     t0 = time.perf_counter()
     query = (tokens, body.namespace) if tokens is not None else query_of(body)  # type: ignore[arg-type]
     ctx.check_tokens(query_tokens(query))
-    scorer = ScoreRequest(directory=lambda: ctx.directory, registry=ctx.registry, namespace=body.namespace,
+    scorer = ScoreRequest(directory=ctx.directory, registry=ctx.registry, namespace=body.namespace,
                           hasher=ctx.token_hasher, candidates=body.candidates)
     try:
         payload = await finish(ctx, (*query, scorer))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import numpy as np
 
@@ -59,17 +59,17 @@ def encode_placed(matches: Sequence[BlendMatch], placements: Sequence[Sequence[A
 
 @dataclass(frozen=True, kw_only=True)
 class _Finisher:
-    """What every finisher reads: the directory (through a getter: a restore may replace
-    it), the registry (who is live) and the query's namespace."""
+    """What every finisher reads: the directory (never replaced: a failed restore clears it
+    in place), the registry (who is live) and the query's namespace."""
 
-    directory: Callable[[], KeyDirectory]
+    directory: KeyDirectory
     registry: InstanceRegistry
     namespace: BlendNamespace
 
     def read(self, matches: list[BlendMatch]) -> tuple[KeyDirectory, frozenset[str], list[tuple[Any, ...]]]:
         """``(directory, live ids, the namespace's placements of each match's chunk)``."""
         live = self.registry.live_ids()
-        directory = self.directory()
+        directory = self.directory
         return directory, live, directory.namespace_placements([m.chunk_hash for m in matches], self.namespace)
 
 

@@ -99,7 +99,7 @@ def test_model_labels_are_bounded(monkeypatch):
 
     monkeypatch.setattr(reuse_metrics, "MAX_MODELS", 2)
     directory = KeyDirectory()
-    rm = reuse_metrics.ReuseMetrics(CollectorRegistry(), lambda: directory, TokenHasher("blake3", C))
+    rm = reuse_metrics.ReuseMetrics(CollectorRegistry(), directory, TokenHasher("blake3", C))
     tokens = np.arange(C, dtype=np.uint32)
     rm.observe([(BlendNamespace(f"m{i}"), tokens, []) for i in range(4)])
     assert sorted(rm.stats()["by_model"]) == ["__other__", "m0", "m1"]
@@ -120,7 +120,7 @@ def test_remembered_chain_hashes_are_used_only_for_the_same_tokens():
     d = KeyDirectory()
     d.enable_blend_lookup(chunk_size=C, engine="reference")
     hasher = TokenHasher("blake3", C)
-    rm = ReuseMetrics(CollectorRegistry(), lambda: d, hasher)
+    rm = ReuseMetrics(CollectorRegistry(), d, hasher)
     ns = BlendNamespace(MODEL)
     old, new = ROWS[0], ROWS[1]
     (h0,) = hasher.chunk_hashes(old)

@@ -92,7 +92,7 @@ class _LogReset(Exception):
 class KafkaSource:
     """One replica's side of the log (see the module docstring)."""
 
-    def __init__(self, config: Any, *, directory: Callable[[], KeyDirectory], registry: InstanceRegistry,
+    def __init__(self, config: Any, *, directory: KeyDirectory, registry: InstanceRegistry,
                  metrics: Any, restored: Callable[[], bool], fatal: Callable[[], Optional[BaseException]],
                  note_ingested: Callable[[int], None] = lambda n: None) -> None:
         self.config = config
@@ -301,7 +301,7 @@ class KafkaSource:
         """``--on-log-reset resync``: forget everything the old log built (index, gate,
         registry, positions) and follow the new log from its start; ready again once at its
         end (the catch-up rule of a cold start)."""
-        directory = self._directory()
+        directory = self._directory
         with directory.ingest_lock:
             directory.clear()
             self._registry.restore({"version": 1, "instances": []})
@@ -346,7 +346,7 @@ class KafkaSource:
         fetched again: one that is means the log was rewound)."""
         new = [p for p in partitions if p not in self._partitions]
         starts = self._start_offsets(consumer, new)
-        with self._directory().ingest_lock:
+        with self._directory.ingest_lock:
             for p, o in starts.items():
                 self._next.setdefault(p, o)
         tps = [TopicPartition(self.topic, p, self._next[p]) for p in new]
@@ -505,7 +505,7 @@ class KafkaSource:
         records go to ``KeyDirectory.apply_many`` together (their new contents enter the
         blend index in one insert), a control record applies between them in its place.
         Positions advance inside the same hold, so a checkpoint matches its state."""
-        directory = self._directory()
+        directory = self._directory
         tally: list[Any] = [0, 0, 0, 0, 0, {}]  # applied, duplicates, stale, entries, event records, not indexable
         nbytes = 0
         t0 = time.perf_counter()
