@@ -136,4 +136,7 @@ def test_a_lookup_sees_a_whole_request_or_none_of_it():
     assert not errors, errors
     partial = [s for s in seen if s not in ((0, 0), (k, 0), (0, k))]
     assert not partial, f"{len(partial)} of {len(seen)} lookups saw part of a request, e.g. {partial[:5]}"
-    assert {(k, 0), (0, k)} <= set(seen)  # the reader did see whole requests, both kinds
+    # not vacuous: the readers saw whole requests land (which kinds they catch depends on the
+    # scheduler: the old version of a request lives only until its rewrite, microseconds when
+    # the writer runs alone, so requiring both kinds failed on a quiet machine)
+    assert {(k, 0), (0, k)} & set(seen)
