@@ -304,7 +304,7 @@ def _serve(argv: Sequence[str]) -> int:
                                else config.timeout_keep_alive)
     server = _graceful_server_class(uvicorn.Server)(uv_config, config.graceful_timeout)
     context = app.state.blendmatch_context
-    context.on_fatal = server.fail
+    context.add_fatal_listener(server.fail)
     from .durability import CheckpointRequired
 
     try:  # before the port opens: a directory, a file not ours, a path another server holds
@@ -377,7 +377,7 @@ def _graceful_server_class(base: type) -> type:
             os._exit(1)
 
         def fail(self, exc: BaseException) -> None:
-            """The service cannot go on (``ServiceContext.on_fatal``): stop, exit 1."""
+            """The service cannot go on (``ServiceContext.add_fatal_listener``): stop, exit 1."""
             self.exit_code = 1
             self.should_exit = True
 

@@ -184,9 +184,10 @@ class ServiceContext:
             self.directory.set_holder_watch(self.kv_events.watch)
             self.durability.register_section("kv_events", self.kv_events.snapshot, self.kv_events.restore)
         #: Why the server must not go on (a required checkpoint missing, an incompatible
-        #: one): set by the restore; the CLI exits non-zero through ``on_fatal``.
+        #: one): set by the restore; the CLI exits non-zero through a listener
+        #: (:meth:`add_fatal_listener`).
         self.fatal: BaseException | None = None
-        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._fatal_listeners: list[Callable[[BaseException], None]] = []
         self._restore_task: asyncio.Future | None = None
         #: The LMCache coordinator this one runs in front of (``--upstream-coordinator``), or
         #: None. Forwards and proxied calls go through it; lookups never do.
@@ -256,11 +257,19 @@ class ServiceContext:
                 log.critical("%s", exc)
             else:
                 log.critical("checkpoint restore failed", exc_info=exc)
-            if self.on_fatal is not None:
-                self.on_fatal(exc)
+            for listener in list(self._fatal_listeners):
+                listener(exc)
 
         task.add_done_callback(done)
         self._restore_task = task
+
+    def add_fatal_listener(self, listener: Callable[[BaseException], None]) -> None:
+        """Call ``listener(exc)`` when the service cannot go on (the CLI stops its server, which
+        exists only after the app is built); at once if that already happened, so a listener
+        added late never misses it."""
+        self._fatal_listeners.append(listener)
+        if self.fatal is not None:
+            listener(self.fatal)
 
     async def wait_restored(self) -> None:
         """Until the start-up restore finished (raises what it raised)."""

@@ -259,6 +259,9 @@ async def test_unknown_version_with_require_is_fatal_in_process(tmp_path):
             await ctx.wait_restored()
         r = await client.get("/readyz")
         assert r.status_code == 503 and "fatal" in r.json()["reasons"][0]
+        heard: list[BaseException] = []
+        ctx.add_fatal_listener(heard.append)  # added after the fact: told at once
+        assert len(heard) == 1 and heard[0] is ctx.fatal
     left = [p.name for p in tmp_path.iterdir() if p.name != "state.ckpt.lock"]  # the lock file stays
     assert len(left) == 1 and left[0].startswith("state.ckpt.corrupt-")
 
