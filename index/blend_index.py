@@ -46,6 +46,7 @@ import numpy as np
 
 from blendmatch.gpu import Candidates, Engine, FailoverEngine, QueryBatch, chunk_fingerprint, chunk_fingerprints, select_engine
 
+from .namespace_ids import NamespaceIds
 from .slots import FilterMode, SlotArray
 from .tokens import as_token_rows, as_tokens
 from .storage import Columns, FingerprintMap, Repeat, TokenStore, split_hashes
@@ -90,8 +91,7 @@ class BlendIndex:
         self._hash_bytes = 0  # sum of sys.getsizeof over live chunk hashes (kept, not walked)
         # claims: namespace id, next claim
         self._k = Columns({"ns": np.int32, "next": np.int32})
-        self._ns_ids: dict[BlendNamespace, int] = {}
-        self._ns_claims: list[int] = []
+        self._ns = NamespaceIds()
         self._collisions = 0
         self._rebuilds = 0
         self._slot_writes = 0  # odd while a slot-table write runs (see _match)
@@ -350,7 +350,7 @@ class BlendIndex:
                 "num_contents": self._c.live,
                 "num_chunks": self._o.live,
                 "num_claims": self._k.live,
-                "num_namespaces": sum(1 for c in self._ns_claims if c > 0),
+                "num_namespaces": self._ns.live(),
                 "collisions": self._collisions,
                 "rebuilds": self._rebuilds,
                 "engine": self.engine.name,
@@ -385,12 +385,9 @@ class BlendIndex:
         hashes = self._o_hash
         lengths = np.fromiter((-1 if h is None else len(h) for h in hashes), dtype=np.int32, count=len(hashes))
         blob = b"".join(h for h in hashes if h is not None)
-        ns_list = [None] * len(self._ns_claims)
-        for ns, nid in self._ns_ids.items():
-            ns_list[nid] = [ns.model_name, ns.cache_salt, int(ns.world_size)]
         doc = {"chunk_size": self.chunk_size, "probe_stride": self.probe_stride, "filter": self.filter,
-               "collisions": self._collisions, "rebuilds": self._rebuilds, "namespaces": ns_list,
-               "ns_claims": list(self._ns_claims), "sizes": {"c": self._c.size, "o": self._o.size, "k": self._k.size},
+               "collisions": self._collisions, "rebuilds": self._rebuilds, **self._ns.export(),
+               "sizes": {"c": self._c.size, "o": self._o.size, "k": self._k.size},
                "fpmap": {"live": self._fpmap.live, "tombstones": self._fpmap.tombstones},
                "slots": {"size": self._slots.size, "floor_size": self._slots.floor_size}}
         arrays: dict[str, Any] = {f"c_{k}": v for k, v in c_cols.items()}
@@ -440,12 +437,7 @@ class BlendIndex:
             self._hash_bytes = (len(live_hashes) * sys.getsizeof(live_hashes[0]) if same
                                 else sum(map(sys.getsizeof, live_hashes)))
             self._tokens.adopt(tokens)
-            self._ns_ids = {}
-            for nid, item in enumerate(doc["namespaces"]):
-                if item is not None:
-                    model, salt, ws = item
-                    self._ns_ids[BlendNamespace(sys.intern(model), sys.intern(salt), int(ws))] = nid
-            self._ns_claims = [int(x) for x in doc["ns_claims"]]
+            self._ns.restore(doc)
             self._collisions = int(doc["collisions"])
             self._rebuilds = int(doc["rebuilds"])
             self._slots.floor_size = int(doc["slots"]["floor_size"])
@@ -462,14 +454,6 @@ class BlendIndex:
         return self._tokens.locate(views)
 
     # ------------------------------------------------------------------ internals: writes
-    def _ns_id(self, ns: BlendNamespace) -> int:
-        nid = self._ns_ids.get(ns)
-        if nid is None:
-            nid = len(self._ns_claims)
-            self._ns_ids[BlendNamespace(sys.intern(ns.model_name), sys.intern(ns.cache_salt), int(ns.world_size))] = nid
-            self._ns_claims.append(0)
-        return nid
-
     def _add_locked(self, arr: np.ndarray, fp: int, chunk_hash: bytes, offset: int,
                     ns: BlendNamespace) -> np.ndarray | None:
         row = self._fpmap.get(fp)
@@ -499,7 +483,7 @@ class BlendIndex:
             self._append_occupant(row, occ)
         elif offset != UNKNOWN_TOKEN_OFFSET:
             self._o["offset"][occ] = offset
-        self._add_claim(occ, self._ns_id(ns))
+        self._add_claim(occ, self._ns.id_of(ns))
         return stored
 
     def _insert_new(self, arr: np.ndarray, fps: np.ndarray, hashes: list[bytes], offsets: np.ndarray,
@@ -519,14 +503,14 @@ class BlendIndex:
         o["offset"][occs] = offsets
         o["claim"][occs] = claims
         if isinstance(nss, Repeat):  # one namespace for all rows
-            nid = self._ns_id(nss.value)
+            nid = self._ns.id_of(nss.value)
             k["ns"][claims] = nid
-            self._ns_claims[nid] += n
+            self._ns.claims[nid] += n
         else:
-            nids = np.fromiter((self._ns_id(ns) for ns in nss), dtype=np.int64, count=n)
+            nids = np.fromiter((self._ns.id_of(ns) for ns in nss), dtype=np.int64, count=n)
             k["ns"][claims] = nids
             for nid, cnt in zip(*np.unique(nids, return_counts=True)):
-                self._ns_claims[int(nid)] += int(cnt)
+                self._ns.claims[int(nid)] += int(cnt)
         k["next"][claims] = _NONE
         if n and int(occs[0]) == len(self._o_hash) and int(occs[-1]) == int(occs[0]) + n - 1:
             self._o_hash.extend(hashes)  # all fresh ids: the common bulk case
@@ -589,7 +573,7 @@ class BlendIndex:
             self._o["claim"][occ] = new
         else:
             self._k["next"][last] = new
-        self._ns_claims[nid] += 1
+        self._ns.claims[nid] += 1
 
     def _remove(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace | None) -> bool:
         arr = as_tokens(tokens)
@@ -609,8 +593,8 @@ class BlendIndex:
             if ns is None:
                 self._drop_all_claims(occ)
             else:
-                nid = self._ns_ids.get(ns)
-                if nid is None or not self._drop_claim(occ, nid):
+                nid = self._ns.get(ns)
+                if nid < 0 or not self._drop_claim(occ, nid):
                     return False
             if self._o["claim"][occ] < 0:
                 self._drop_occupant(row, occ)
@@ -628,7 +612,7 @@ class BlendIndex:
                 else:
                     self._k["next"][prev] = nxt
                 self._k.free(k)
-                self._ns_claims[nid] -= 1
+                self._ns.claims[nid] -= 1
                 return True
             prev, k = k, nxt
         return False
@@ -637,7 +621,7 @@ class BlendIndex:
         k = int(self._o["claim"][occ])
         while k >= 0:
             nxt = int(self._k["next"][k])
-            self._ns_claims[int(self._k["ns"][k])] -= 1
+            self._ns.claims[int(self._k["ns"][k])] -= 1
             self._k.free(k)
             k = nxt
         self._o["claim"][occ] = _NONE
@@ -684,7 +668,7 @@ class BlendIndex:
         """Verification and the per-position rule (``verify.per_position_rule``), lock held:
         time and memory linear in candidates plus occupants. Per match: its query, position,
         chunk hash and stored offset, as columns."""
-        q_ns = np.fromiter((self._ns_ids.get(ns, -1) for ns in namespaces), dtype=np.int64, count=len(namespaces))
+        q_ns = np.fromiter((self._ns.get(ns) for ns in namespaces), dtype=np.int64, count=len(namespaces))
         rows = self._fpmap.lookup(cands.fingerprint)
         args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
                 self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
