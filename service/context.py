@@ -29,7 +29,6 @@ import gc
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Callable, TypeVar
 
 from fastapi import Depends, Request
@@ -46,6 +45,7 @@ from .config import ServiceConfig
 from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
 from .event_source import EventSource, build_event_source
+from .events_thread import EventsThread, GroupFn
 from .metrics import ServiceMetrics
 from .reuse_metrics import ReuseMetrics
 from .upstream import Upstream
@@ -148,7 +148,7 @@ class ServiceContext:
         self.registry = (InstanceRegistry(config.instance_timeout, clock=time.time)
                          if config.event_transport == "kafka" else InstanceRegistry(config.instance_timeout))
         self._reaper: asyncio.Task[None] | None = None
-        self._events_executor: ThreadPoolExecutor | None = None
+        self._events_thread: EventsThread | None = None
         self._serving = not config.refuse_lookups_until_ready
         #: The Kafka event source (``--event-transport kafka``), or None for HTTP push. Built
         #: before ``durability``, which reads its lag; it reads ``durability.restored`` (and
@@ -198,7 +198,6 @@ class ServiceContext:
                                      queue_size=config.upstream_queue_size,
                                      queue_bytes=config.upstream_queue_bytes, registry=self.metrics.registry,
                                      registration_of=self.registration_of)
-        self._events_pending = 0
         self._ingested_since_freeze = 0
         self.started_at = time.time()
 
@@ -220,7 +219,7 @@ class ServiceContext:
             self.fatal = exc
             log.critical("%s", exc)
             raise
-        self._events_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blendmatch-events")
+        self._events_thread = EventsThread()
         if self.kv_events is not None:  # its sockets first: a bad endpoint stops the start-up here
             self.kv_events.start()
         await self.lookups.start()
@@ -243,9 +242,8 @@ class ServiceContext:
     def _start_restore(self) -> None:
         """Restore on the events thread, first in its queue: event requests that arrive
         meanwhile wait behind it and then meet the restored gate (``durability.py``)."""
-        loop = asyncio.get_running_loop()
-        assert self._events_executor is not None
-        task = loop.run_in_executor(self._events_executor, self.durability.restore_at_start)
+        assert self._events_thread is not None
+        task = asyncio.wrap_future(self._events_thread.submit(self.durability.restore_at_start))
 
         def done(fut: asyncio.Future) -> None:
             exc = fut.exception() if not fut.cancelled() else None
@@ -288,9 +286,9 @@ class ServiceContext:
         if self.source is not None:  # before the final checkpoint: its position is final
             await asyncio.get_running_loop().run_in_executor(None, self.source.stop)
         await self.lookups.stop()
-        if self._events_executor is not None:
-            executor, self._events_executor = self._events_executor, None  # no new event tasks
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        if self._events_thread is not None:
+            events, self._events_thread = self._events_thread, None  # no new event tasks
+            await asyncio.get_running_loop().run_in_executor(None, events.shutdown, True)
         if self.upstream is not None:  # after the events thread: every applied request has been queued
             await self.upstream.stop()
         if self.kv_events is not None:  # after the events thread: every applied change is queued
@@ -386,14 +384,18 @@ class ServiceContext:
     # ------------------------------------------------------------------ events and reads
     async def run_event_task(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a directory mutation on the events thread (arrival order)."""
-        executor = self._events_executor
-        if executor is None:
+        return await self._events_or_unavailable().run(fn, *args)
+
+    async def run_event_group(self, group: GroupFn, args: tuple[Any, ...], size: int) -> Any:
+        """Run a task on the events thread in arrival order, in one ``group`` call with the
+        tasks of the same ``group`` queued right behind it (``events_thread.py``)."""
+        return await self._events_or_unavailable().run_grouped(group, args, size)
+
+    def _events_or_unavailable(self) -> EventsThread:
+        events = self._events_thread
+        if events is None:
             raise ServiceUnavailable("the service is not started (or is shutting down)")
-        self._events_pending += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-        finally:
-            self._events_pending -= 1
+        return events
 
     # ------------------------------------------------------------------ registry
     def registration_of(self, instance_id: str) -> dict[str, Any] | None:
@@ -466,7 +468,7 @@ class ServiceContext:
             "num_placements": stats.get("placements"),
             "num_bindings": stats.get("token_bindings"),
             "queue_depth": self.lookups.queue_depth,
-            "events_queue_depth": self._events_pending,
+            "events_queue_depth": 0 if self._events_thread is None else self._events_thread.pending,
             "instances_registered": len(self.registry),
         }
         for key in ("num_contents", "num_chunks", "num_claims", "num_namespaces", "memory_bytes", "table_size",

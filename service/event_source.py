@@ -28,7 +28,7 @@ from pydantic_core import from_json
 
 from blendmatch.index.key_directory import ApplyReport, KeyDirectory
 from blendmatch.index.logsafe import log_safe
-from blendmatch.index.wire import EventValidationError, parse_event_body
+from blendmatch.index.wire import EventRequest, EventValidationError, parse_event_body
 
 from .errors import Forbidden, TooManyInstances
 from .schemas import CacheEventsResponse
@@ -84,6 +84,18 @@ def _check_producer(instance_ids: Any, may_act_for: MayActFor, done: str) -> Non
                             f"see docs/security.md); nothing was {done}")
 
 
+def _decode(raw: bytes) -> EventRequest:
+    """A body as a validated request: 422-mapped errors, nothing applied."""
+    if not raw:
+        raise _missing_body()
+    try:
+        return parse_event_body(raw)  # token_ids straight to uint32; the rest by pydantic-core
+    except EventValidationError:
+        raise
+    except ValueError as exc:
+        raise _json_invalid(exc) from None
+
+
 def decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: MayActFor = None,
                      max_instances: int | None = None) -> ApplyReport:
     """Events thread: JSON-decode, validate whole, check every batch's instance id against
@@ -91,18 +103,49 @@ def decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: MayActFor
     bound on tracked instance ids (``max_instances``; None: none), apply. Raises 422-mapped
     errors, :class:`Forbidden` (403) or :class:`TooManyInstances` (429) with nothing applied.
     On the events thread, so the count cannot change between the check and the apply."""
-    if not raw:
-        raise _missing_body()
-    try:
-        request = parse_event_body(raw)  # token_ids straight to uint32; the rest by pydantic-core
-    except EventValidationError:
-        raise
-    except ValueError as exc:
-        raise _json_invalid(exc) from None
-    _check_producer((batch.instance_id for batch in request.batches), may_act_for, "applied")
-    if max_instances is not None:
-        check_instance_bound(directory, (batch.instance_id for batch in request.batches), max_instances, "applied")
-    return directory.apply_detailed(request)
+    (report,) = decode_and_apply_run(directory, [(raw, may_act_for)], max_instances)
+    if isinstance(report, Exception):
+        raise report
+    return report
+
+
+def decode_and_apply_run(directory: KeyDirectory, bodies: list[tuple[bytes, MayActFor]],
+                         max_instances: int | None = None) -> list[ApplyReport | Exception]:
+    """Events thread: :func:`decode_and_apply` for bodies that arrived back to back, with the
+    same answer for each (its report, or the error it would have raised) and the same
+    resulting state, but applied as few ``KeyDirectory.apply_many`` runs (``events_thread.py``).
+
+    Decoding and the producer check depend on the body alone. The instance bound depends on
+    what the bodies before it applied, so a body that names an instance id the directory
+    does not track yet first applies the run gathered so far, then is checked against the
+    directory as it is: exactly the state one-by-one application would have checked."""
+    out: list[ApplyReport | Exception | None] = [None] * len(bodies)
+    run: list[EventRequest] = []
+    where: list[int] = []
+
+    def apply_gathered() -> None:
+        if run:
+            for k, report in zip(where, directory.apply_many(run)):
+                out[k] = report
+            run.clear()
+            where.clear()
+
+    for k, (raw, may_act_for) in enumerate(bodies):
+        try:
+            request = _decode(raw)
+            _check_producer((batch.instance_id for batch in request.batches), may_act_for, "applied")
+            if max_instances is not None:
+                ids = [batch.instance_id for batch in request.batches]
+                if directory.unknown_instances(ids)[1]:  # new ids: the bound depends on the run so far
+                    apply_gathered()
+                    check_instance_bound(directory, ids, max_instances, "applied")
+        except Exception as exc:  # noqa: BLE001 - this body's answer; the others go on
+            out[k] = exc
+            continue
+        run.append(request)
+        where.append(k)
+    apply_gathered()
+    return out  # type: ignore[return-value]
 
 
 def check_instance_bound(directory: KeyDirectory, instance_ids: Iterable[str], max_instances: int, done: str) -> None:
@@ -133,7 +176,8 @@ class HttpPushSource:
     async def post_events(self, raw: bytes, may_act_for: MayActFor = None) -> bytes:
         ctx = self._ctx
         t0 = time.perf_counter()
-        report = await ctx.run_event_task(decode_and_apply, ctx.directory, raw, may_act_for, ctx.config.max_instances)
+        # grouped: bodies that queue up behind a busy events thread are applied as one run
+        report = await ctx.run_event_group(self._apply_run, (raw, may_act_for), len(raw))
         ctx.note_ingested(len(raw))
         counts = report.counts
         ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,
@@ -143,6 +187,10 @@ class HttpPushSource:
         reply = CacheEventsResponse(applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale,
                                     entries_applied=report.entries_applied, entries_not_indexable=report.not_indexable)
         return reply.__pydantic_serializer__.to_json(reply)
+
+    def _apply_run(self, bodies: list[tuple[bytes, MayActFor]]) -> list[ApplyReport | Exception]:
+        ctx = self._ctx
+        return decode_and_apply_run(ctx.directory, bodies, ctx.config.max_instances)
 
     async def register(self, fields: Mapping[str, Any]) -> tuple[str, bool]:
         out = self._control({**fields, "op": "register"})  # the registry only: no directory lock
