@@ -53,7 +53,7 @@ class _Task:
 class EventsThread:
     """One worker thread fed from one FIFO queue (see the module docstring)."""
 
-    def __init__(self, *, max_run: int = 16, max_run_bytes: int = 4 << 20,
+    def __init__(self, *, max_run: int = 16, max_run_bytes: int = 1 << 20,
                  thread_name_prefix: str = "blendmatch-events") -> None:
         if max_run < 1 or max_run_bytes < 1:
             raise ValueError("max_run and max_run_bytes must be >= 1")
