@@ -14,9 +14,10 @@ answered with its own report or error, and the same resulting state as one by on
 Why (issue 28, item 1): with four posters of 64-entry bodies, each apply paid ~0.3 ms of
 fixed cost on the events thread beside ~7 us per entry, and the event loop another future
 hand-off per body; runs of the bodies that queue up behind a busy thread amortise both
-(measured in ``docs/performance.md``, "Ingest runs"). A run is bounded (``max_run`` tasks and
-``max_run_bytes`` of bodies) because the index's write lock is held for a whole run (a
-lookup's verification waits for it at most one run).
+(measured in ``docs/performance.md``, "Issue 28, second round"). A run is bounded
+(``max_run`` tasks, ``max_run_bytes`` of bodies: 1 MiB, about one 1,000-entry body) because
+the index's write lock is held for a whole run (a lookup's verification waits for it at
+most one run).
 
 Thread safety: ``submit`` may be called from any thread (the event loop in practice); the
 queue is a ``deque`` under a lock; one kick per task is handed to a one-worker executor, and
