@@ -96,24 +96,16 @@ def _decode(raw: bytes) -> EventRequest:
         raise _json_invalid(exc) from None
 
 
-def decode_and_apply(directory: KeyDirectory, raw: bytes, may_act_for: MayActFor = None,
-                     max_instances: int | None = None) -> ApplyReport:
-    """Events thread: JSON-decode, validate whole, check every batch's instance id against
-    the caller's producer patterns (``may_act_for``; None: any instance) and against the
-    bound on tracked instance ids (``max_instances``; None: none), apply. Raises 422-mapped
-    errors, :class:`Forbidden` (403) or :class:`TooManyInstances` (429) with nothing applied.
-    On the events thread, so the count cannot change between the check and the apply."""
-    (report,) = decode_and_apply_run(directory, [(raw, may_act_for)], max_instances)
-    if isinstance(report, Exception):
-        raise report
-    return report
-
-
 def decode_and_apply_run(directory: KeyDirectory, bodies: list[tuple[bytes, MayActFor]],
                          max_instances: int | None = None) -> list[ApplyReport | Exception]:
-    """Events thread: :func:`decode_and_apply` for bodies that arrived back to back, with the
-    same answer for each (its report, or the error it would have raised) and the same
-    resulting state, but applied as few ``KeyDirectory.apply_many`` runs (``events_thread.py``).
+    """Events thread: JSON-decode and validate each body whole, check every batch's instance
+    id against the caller's producer patterns (``may_act_for``; None: any instance) and the
+    bound on tracked instance ids (``max_instances``; None: none), apply. Each body's answer
+    is its report or its error (422-mapped, :class:`Forbidden` 403, :class:`TooManyInstances`
+    429, nothing of it applied), the same as applying the bodies one at a time, and so is the
+    resulting state; but they are applied as few ``KeyDirectory.apply_many`` runs
+    (``events_thread.py``). On the events thread, so counts cannot change between a check
+    and its apply.
 
     Decoding and the producer check depend on the body alone. The instance bound depends on
     what the bodies before it applied, so a body that names an instance id the directory

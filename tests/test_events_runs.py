@@ -3,7 +3,7 @@ item 1: ``service/events_thread.py``, ``event_source.decode_and_apply_run``).
 
 - ``EventsThread``: one FIFO for every task; only consecutive tasks of one group share a run,
   within its bounds; a cancelled task is not run; each task gets its own result or error.
-- ``decode_and_apply_run`` against ``decode_and_apply`` one body at a time: the same answer for
+- ``decode_and_apply_run`` over random runs against the same bodies one at a time: the same answer for
   every body (report, or the error's type and text) and the same directory (every answer a
   client can ask for), over workloads with bad JSON, invalid fields, foreign instances (403),
   a bound on tracked instances that new instances hit mid-run (429), duplicates, stale and
@@ -18,7 +18,6 @@ import asyncio
 import json
 import random
 import threading
-import time
 
 import httpx
 import pytest
@@ -26,7 +25,7 @@ import pytest
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.service.app import create_app
 from blendmatch.service.config import ServiceConfig
-from blendmatch.service.event_source import decode_and_apply, decode_and_apply_run
+from blendmatch.service.event_source import decode_and_apply_run
 from blendmatch.service.events_thread import EventsThread
 
 from ckpt_workload import C, answers, workload
@@ -162,11 +161,8 @@ def test_runs_answer_and_leave_what_one_by_one_does(seed: int, max_instances: in
     bodies = _bodies(seed)
     one = _directory()
     want = []
-    for raw, may in bodies:
-        try:
-            want.append(decode_and_apply(one, raw, may, max_instances))
-        except Exception as exc:  # noqa: BLE001 - compared below
-            want.append(exc)
+    for body in bodies:  # one at a time: every body its own run
+        want.extend(decode_and_apply_run(one, [body], max_instances))
     runs = _directory()
     got = []
     rng = random.Random(seed + 100)
