@@ -84,6 +84,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from .tokens import TokenArrays, split_token_arrays
+from .wire_scan import EntrySplit, entry_columns, split_entries
 from .types import whole_number
 from .wire_entries import (_INTERN, _NO_TOKENS, INT64_MAX, KV_RANK_MAX, MAX_CACHE_SALT_CHARS,  # noqa: F401 - re-exported
                            MAX_CHUNK_HASH_BYTES, EntryColumns, KeyScope, TokenColumn, _Bad, _empty_entries, _int_reason,
@@ -179,31 +180,43 @@ class EventRequest:
 _SPLIT_HERE: Any = object()
 
 
-def split_event_body(raw: bytes) -> Optional[TokenArrays]:
+def split_event_body(raw: bytes) -> Optional[EntrySplit | TokenArrays]:
     """The first stage of :func:`parse_event_body`, for a caller that runs it elsewhere:
-    the ``token_ids`` arrays taken out of ``raw`` (``tokens.split_token_arrays``). It runs
-    without the GIL and builds no Python object per token, so a Kafka replica splits run
-    k+1 on its fetch thread while the apply thread validates and applies run k. Pass the
-    result to ``parse_event_body(raw, arrays=...)``."""
-    return split_token_arrays(raw)
+    the ``"entries"`` arrays taken out of ``raw`` as columns (``wire_scan.split_entries``),
+    or where that pass gives up the ``token_ids`` arrays (``tokens.split_token_arrays``).
+    Either runs without the GIL and builds no Python object per entry or token, so a Kafka
+    replica splits run k+1 on its fetch thread while the apply thread validates and applies
+    run k. Pass the result to ``parse_event_body(raw, arrays=...)``."""
+    got = split_entries(raw)
+    return got if got is not None else split_token_arrays(raw)
 
 
-def parse_event_body(raw: bytes, *, arrays: Optional[TokenArrays] = _SPLIT_HERE) -> EventRequest:
+def parse_event_body(raw: bytes, *, arrays: Optional[EntrySplit | TokenArrays] = _SPLIT_HERE) -> EventRequest:
     """Decode and validate a raw ``POST /events`` body (JSON bytes) as a whole.
 
-    The ``token_ids`` arrays are parsed straight from the text into one uint32 buffer
-    (``tokens.split_token_arrays``: no Python int per token, about 4x less time per
-    256-token entry than decoding the lists); the rest of the body is decoded by
-    pydantic-core's parser and validated by :func:`parse_event_request`, with the same
-    rules and the same errors as a body decoded whole. ``arrays``: what
-    :func:`split_event_body` returned for ``raw``, when the split ran elsewhere. Raises :class:`EventValidationError`
+    The norm, LMCache's STORE entries, is parsed straight from the bytes into columns
+    (``wire_scan.py``: no Python object per entry field or token, no GIL); the few batch
+    fields left are decoded by pydantic-core's parser and validated by
+    :func:`parse_event_request`. A body that pass does not take has its ``token_ids``
+    arrays parsed straight into one uint32 buffer (``tokens.split_token_arrays``: no Python
+    int per token) and the rest decoded by pydantic-core; either way with the same rules
+    and the same errors as a body decoded whole. ``arrays``: what :func:`split_event_body`
+    returned for ``raw``, when the split ran elsewhere. Raises :class:`EventValidationError`
     for a body that is not a valid request and a plain ``ValueError`` (from the JSON
     parser, with its message) for one that is not JSON.
     """
     from pydantic_core import from_json
 
     if arrays is _SPLIT_HERE:
-        arrays = split_token_arrays(raw)
+        arrays = split_event_body(raw)
+    if isinstance(arrays, EntrySplit):
+        try:
+            columns = entry_columns(arrays)
+            payload = from_json(arrays.text)
+        except (ValueError, _Bad):  # a scope the interner refuses, bad UTF-8, not JSON: as it is
+            arrays = split_token_arrays(raw)
+        else:
+            return parse_event_request(payload, entries=columns)
     payload: Any = None
     if arrays is not None:
         try:
@@ -215,13 +228,16 @@ def parse_event_body(raw: bytes, *, arrays: Optional[TokenArrays] = _SPLIT_HERE)
     return parse_event_request(payload, arrays=arrays)
 
 
-def parse_event_request(payload: Any, *, arrays: Optional[TokenArrays] = None) -> EventRequest:
+def parse_event_request(payload: Any, *, arrays: Optional[TokenArrays] = None,
+                        entries: Optional[list[EntryColumns]] = None) -> EventRequest:
     """Validate a decoded ``POST /events`` body (``{"batches": [...]}``) as a whole.
 
     Raises :class:`EventValidationError` naming the first bad field; then nothing of the
     request may be applied. Already-parsed input (:class:`EventRequest`) is returned as is.
     ``arrays``: the payload was decoded from ``arrays.text`` (see :func:`parse_event_body`),
-    so each ``token_ids`` value is an ordinal into it.
+    so each ``token_ids`` value is an ordinal into it. ``entries``: the payload was decoded
+    from ``wire_scan.split_entries``'s text, so each ``"entries"`` value is an ordinal into
+    this list of already validated columns.
     """
     if isinstance(payload, EventRequest):
         return payload
@@ -231,7 +247,16 @@ def parse_event_request(payload: Any, *, arrays: Optional[TokenArrays] = None) -
     if type(raw) is not list:
         reason = "is required" if raw is None else f"must be a list, got {_type_name(raw)}"
         raise EventValidationError(("batches",), reason)
+    if entries is not None:
+        return EventRequest(tuple(_parse_split_batch(b, ("batches", i), entries) for i, b in enumerate(raw)))
     return EventRequest(tuple(parse_event_batch(b, loc=("batches", i), arrays=arrays) for i, b in enumerate(raw)))
+
+
+def _parse_split_batch(raw: Any, loc: tuple, entries: list[EntryColumns]) -> EventBatch:
+    try:
+        return _parse_batch(raw, None, entries)
+    except _Bad as bad:
+        raise EventValidationError(tuple(loc) + bad.loc, bad.reason) from None
 
 
 def parse_event_batch(raw: Any, *, loc: tuple = (), arrays: Optional[TokenArrays] = None) -> EventBatch:
@@ -247,7 +272,8 @@ def parse_event_batch(raw: Any, *, loc: tuple = (), arrays: Optional[TokenArrays
         raise EventValidationError(tuple(loc) + bad.loc, bad.reason) from None
 
 
-def _parse_batch(raw: Any, arrays: Optional[TokenArrays] = None) -> EventBatch:
+def _parse_batch(raw: Any, arrays: Optional[TokenArrays] = None,
+                 split: Optional[list[EntryColumns]] = None) -> EventBatch:
     if type(raw) is not dict:
         raise _Bad((), f"must be an object, got {_type_name(raw)}")
     instance_id = raw.get("instance_id")
@@ -275,10 +301,14 @@ def _parse_batch(raw: Any, arrays: Optional[TokenArrays] = None) -> EventBatch:
     capacity_bytes = _optional_int(raw, "capacity_bytes")
     capacity_revision = _optional_int(raw, "capacity_revision")
     raw_entries = raw.get("entries", _NO_TOKENS)
+    if split is not None and type(raw_entries) is int:  # an ordinal: that array, parsed
+        raw_entries = split[raw_entries] if len(split[raw_entries]) else _NO_TOKENS
     if event_type == "config" and raw_entries == _NO_TOKENS:
         entries = _empty_entries()
     elif event_type == "config":
         raise _Bad(("entries",), "config batches carry no entries")
+    elif type(raw_entries) is EntryColumns:
+        entries = raw_entries
     else:
         entries = _parse_entries(raw_entries, arrays)
     return EventBatch(
