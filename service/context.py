@@ -386,10 +386,12 @@ class ServiceContext:
         """Run a directory mutation on the events thread (arrival order)."""
         return await self._events_or_unavailable().run(fn, *args)
 
-    async def run_event_group(self, group: GroupFn, args: tuple[Any, ...], size: int) -> Any:
+    async def run_event_group(self, group: GroupFn, args: tuple[Any, ...], size: int,
+                              prepare: Callable[..., Any] | None = None) -> Any:
         """Run a task on the events thread in arrival order, in one ``group`` call with the
-        tasks of the same ``group`` queued right behind it (``events_thread.py``)."""
-        return await self._events_or_unavailable().run_grouped(group, args, size)
+        tasks of the same ``group`` queued right behind it, after its ``prepare`` step ran
+        on the prepare thread (``events_thread.py``)."""
+        return await self._events_or_unavailable().run_grouped(group, args, size, prepare)
 
     def _events_or_unavailable(self) -> EventsThread:
         events = self._events_thread

@@ -28,7 +28,7 @@ from pydantic_core import from_json
 
 from blendmatch.index.key_directory import ApplyReport, KeyDirectory
 from blendmatch.index.logsafe import log_safe
-from blendmatch.index.wire import EventRequest, EventValidationError, parse_event_body
+from blendmatch.index.wire import EventRequest, EventValidationError, parse_event_body, split_event_body
 
 from .errors import Forbidden, TooManyInstances
 from .schemas import CacheEventsResponse
@@ -84,21 +84,38 @@ def _check_producer(instance_ids: Any, may_act_for: MayActFor, done: str) -> Non
                             f"see docs/security.md); nothing was {done}")
 
 
-def _decode(raw: bytes) -> EventRequest:
-    """A body as a validated request: 422-mapped errors, nothing applied."""
+def _decode(raw: bytes, *split: Any) -> EventRequest:
+    """A body as a validated request: 422-mapped errors, nothing applied. ``split``: what
+    :func:`prepare_body` returned for it, when it ran on the prepare thread."""
     if not raw:
         raise _missing_body()
     try:
-        return parse_event_body(raw)  # token_ids straight to uint32; the rest by pydantic-core
+        # entries straight to columns, token_ids to uint32, without the GIL; the rest by pydantic-core
+        return parse_event_body(raw, arrays=split[0]) if split else parse_event_body(raw)
     except EventValidationError:
         raise
     except ValueError as exc:
         raise _json_invalid(exc) from None
 
 
-def decode_and_apply_run(directory: KeyDirectory, bodies: list[tuple[bytes, MayActFor]],
+#: Smallest body whose split runs on the prepare thread (:func:`prepare_body`). Measured
+#: side by side with 4 posters (docs/performance.md, "Issue 28, third round"): a 1,000-entry
+#: body (1.4 MB, ~3.4 ms of split) gained 10-15% from the overlap; a 64-entry one (90 KB,
+#: ~0.2 ms) lost 8-10% to the extra thread hand-offs, so it is split on the events thread.
+PREPARE_MIN_BYTES = 256 << 10
+
+
+def prepare_body(raw: bytes, may_act_for: MayActFor = None) -> Any:
+    """The prepare step of an event body of :data:`PREPARE_MIN_BYTES` or more
+    (``EventsThread.submit_grouped``): its nogil split (``wire.split_event_body``), run on
+    the prepare thread while the events thread applies the bodies ahead of it."""
+    return split_event_body(raw)
+
+
+def decode_and_apply_run(directory: KeyDirectory, bodies: list[tuple[Any, ...]],
                          max_instances: int | None = None) -> list[ApplyReport | Exception]:
-    """Events thread: JSON-decode and validate each body whole, check every batch's instance
+    """Events thread: decode and validate each body whole (``bodies``: ``(raw, may_act_for)``,
+    or with the body's :func:`prepare_body` result last), check every batch's instance
     id against the caller's producer patterns (``may_act_for``; None: any instance) and the
     bound on tracked instance ids (``max_instances``; None: none), apply. Each body's answer
     is its report or its error (422-mapped, :class:`Forbidden` 403, :class:`TooManyInstances`
@@ -122,9 +139,9 @@ def decode_and_apply_run(directory: KeyDirectory, bodies: list[tuple[bytes, MayA
             run.clear()
             where.clear()
 
-    for k, (raw, may_act_for) in enumerate(bodies):
+    for k, (raw, may_act_for, *split) in enumerate(bodies):
         try:
-            request = _decode(raw)
+            request = _decode(raw, *split)
             _check_producer((batch.instance_id for batch in request.batches), may_act_for, "applied")
             if max_instances is not None:
                 ids = [batch.instance_id for batch in request.batches]
@@ -169,7 +186,8 @@ class HttpPushSource:
         ctx = self._ctx
         t0 = time.perf_counter()
         # grouped: bodies that queue up behind a busy events thread are applied as one run
-        report = await ctx.run_event_group(self._apply_run, (raw, may_act_for), len(raw))
+        prepare = prepare_body if len(raw) >= PREPARE_MIN_BYTES else None
+        report = await ctx.run_event_group(self._apply_run, (raw, may_act_for), len(raw), prepare)
         ctx.note_ingested(len(raw))
         counts = report.counts
         ctx.metrics.observe_events(counts.applied, counts.duplicates, counts.stale, time.perf_counter() - t0,
@@ -180,7 +198,7 @@ class HttpPushSource:
                                     entries_applied=report.entries_applied, entries_not_indexable=report.not_indexable)
         return reply.__pydantic_serializer__.to_json(reply)
 
-    def _apply_run(self, bodies: list[tuple[bytes, MayActFor]]) -> list[ApplyReport | Exception]:
+    def _apply_run(self, bodies: list[tuple[Any, ...]]) -> list[ApplyReport | Exception]:
         ctx = self._ctx
         return decode_and_apply_run(ctx.directory, bodies, ctx.config.max_instances)
 

@@ -49,6 +49,7 @@ class _Task:
     args: tuple[Any, ...]
     size: int
     future: Future = field(default_factory=Future)
+    prepared: Optional[Future] = None  # the task's ``prepare`` result, computed on the prepare thread
 
 
 class EventsThread:
@@ -62,6 +63,8 @@ class EventsThread:
         self.max_run_bytes = max_run_bytes
         self._executor: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=thread_name_prefix)
+        self._prepare_prefix = f"{thread_name_prefix}-prepare"
+        self._prepare: Optional[ThreadPoolExecutor] = None  # started by the first task with a prepare step
         self._queue: deque[_Task] = deque()
         self._lock = threading.Lock()
         #: Tasks submitted and not finished (the ``events_queue_depth`` gauge).
@@ -75,17 +78,30 @@ class EventsThread:
         """Run ``fn(*args)`` on the thread after everything submitted before it."""
         return self._put(_Task(fn, None, args, 0))
 
-    def submit_grouped(self, group: GroupFn, args: tuple[Any, ...], size: int) -> Future:
+    def submit_grouped(self, group: GroupFn, args: tuple[Any, ...], size: int,
+                       prepare: Optional[Callable[..., Any]] = None) -> Future:
         """A task that may run in one call of ``group`` with the tasks of the same ``group``
-        queued right behind it (``size``: its bytes, for the run's bound)."""
-        return self._put(_Task(None, group, args, max(0, int(size))))
+        queued right behind it (``size``: its bytes, for the run's bound). ``prepare``: a
+        step that depends on the task's ``args`` alone and holds the GIL little (an event
+        body's nogil entries pass): it runs at once on the prepare thread, while the events
+        thread applies what is ahead, and ``group`` gets its result as the last item of the
+        task's ``args`` (None when it raised)."""
+        task = _Task(None, group, args, max(0, int(size)))
+        if prepare is not None:
+            with self._lock:
+                if self._executor is not None:
+                    if self._prepare is None:
+                        self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._prepare_prefix)
+                    task.prepared = self._prepare.submit(prepare, *args)
+        return self._put(task)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``submit`` from the event loop, awaited."""
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    async def run_grouped(self, group: GroupFn, args: tuple[Any, ...], size: int) -> Any:
-        return await asyncio.wrap_future(self.submit_grouped(group, args, size))
+    async def run_grouped(self, group: GroupFn, args: tuple[Any, ...], size: int,
+                          prepare: Optional[Callable[..., Any]] = None) -> Any:
+        return await asyncio.wrap_future(self.submit_grouped(group, args, size, prepare))
 
     def _put(self, task: _Task) -> Future:
         with self._lock:
@@ -129,7 +145,7 @@ class EventsThread:
             self.runs += 1
             self.runs_tasks += len(live)
             try:
-                results = list(first.group([t.args for t in live]))  # type: ignore[misc]
+                results = list(first.group([_args(t) for t in live]))  # type: ignore[misc]
                 if len(results) != len(live):
                     raise RuntimeError(f"a grouped run returned {len(results)} results for {len(live)} tasks")
             except BaseException as exc:  # noqa: BLE001 - every task of the run learns it
@@ -152,6 +168,20 @@ class EventsThread:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=wait)
+        with self._lock:  # after the events thread: its queued tasks wait for their prepare steps
+            prepare, self._prepare = self._prepare, None
+        if prepare is not None:
+            prepare.shutdown(wait=wait)
+
+
+def _args(task: _Task) -> tuple[Any, ...]:
+    """A grouped task's arguments, with its prepare step's result last when it has one."""
+    if task.prepared is None:
+        return task.args
+    try:
+        return task.args + (task.prepared.result(),)
+    except Exception:  # noqa: BLE001 - the group does the step itself
+        return task.args + (None,)
 
 
 def _settle(future: Future, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

@@ -8,8 +8,11 @@ item 1: ``service/events_thread.py``, ``event_source.decode_and_apply_run``).
   client can ask for), over workloads with bad JSON, invalid fields, foreign instances (403),
   a bound on tracked instances that new instances hit mid-run (429), duplicates, stale and
   fenced batches, deletes.
+- A prepare step (an event body's nogil split) runs on its own thread while the events thread
+  is busy, and the group gets its result last (None when it raised); runs given prepared
+  bodies answer and leave what one by one does.
 - Through the app: bodies posted while the events thread is busy are answered each with
-  its own reply, from one run.
+  its own reply, from one run; a large body is split on the prepare thread.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import pytest
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.service.app import create_app
 from blendmatch.service.config import ServiceConfig
-from blendmatch.service.event_source import decode_and_apply_run
+from blendmatch.index.wire_scan import EntrySplit
+from blendmatch.service.event_source import PREPARE_MIN_BYTES, decode_and_apply_run, prepare_body
 from blendmatch.service.events_thread import EventsThread
 
 from ckpt_workload import C, answers, workload
@@ -112,6 +116,38 @@ def test_shutdown_runs_everything_already_submitted() -> None:
     assert done == list(range(20)) and all(f.done() for f in futs)
 
 
+def test_a_prepare_step_runs_ahead_on_its_own_thread_and_its_result_comes_last() -> None:
+    seen: list = []
+
+    def group(args_list):
+        seen.extend(args_list)
+        return [a[0] for a in args_list]
+
+    def prepare(x):
+        if x == "boom":
+            raise RuntimeError("prepare broke")
+        return (x, threading.current_thread().name)
+
+    t = EventsThread(thread_name_prefix="tst-events")
+    gate = threading.Event()
+    try:
+        t.submit(gate.wait)  # the events thread is busy: the prepare steps must not wait for it
+        futs = [t.submit_grouped(group, (x,), 1, prepare) for x in ("a", "boom")]
+        futs.append(t.submit_grouped(group, ("plain",), 1))
+        for _ in range(500):
+            if all(f.prepared.done() for f in t._queue if f.prepared is not None):
+                break
+            threading.Event().wait(0.01)
+        assert [q.prepared is not None and q.prepared.done() for q in t._queue] == [True, True, False]
+        gate.set()
+        assert [f.result(10) for f in futs] == ["a", "boom", "plain"]
+        assert seen == [("a", ("a", "tst-events-prepare_0")), ("boom", None), ("plain",)]
+    finally:
+        gate.set()
+        t.shutdown()
+    assert t._prepare is None and t.pending == 0
+
+
 # ---------------------------------------------------------------------- runs vs one by one
 def _directory() -> KeyDirectory:
     d = KeyDirectory()
@@ -157,8 +193,12 @@ def _answer(x: object) -> object:
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("max_instances", [None, 4])
-def test_runs_answer_and_leave_what_one_by_one_does(seed: int, max_instances: int | None) -> None:
+@pytest.mark.parametrize("prepared", [False, True])
+def test_runs_answer_and_leave_what_one_by_one_does(seed: int, max_instances: int | None, prepared: bool) -> None:
     bodies = _bodies(seed)
+    if prepared:  # the runs get each body's prepare step (split ahead, as on the prepare thread)
+        split = [body + (prepare_body(*body),) for body in bodies]
+        assert any(isinstance(b[2], EntrySplit) for b in split)
     one = _directory()
     want = []
     for body in bodies:  # one at a time: every body its own run
@@ -169,7 +209,7 @@ def test_runs_answer_and_leave_what_one_by_one_does(seed: int, max_instances: in
     i = 0
     while i < len(bodies):
         k = rng.randrange(1, 12)
-        got.extend(decode_and_apply_run(runs, bodies[i:i + k], max_instances))
+        got.extend(decode_and_apply_run(runs, (split if prepared else bodies)[i:i + k], max_instances))
         i += k
     assert [_answer(g) for g in got] == [_answer(w) for w in want]
     kinds = {type(w).__name__ for w in want}
@@ -219,4 +259,26 @@ def test_bodies_posted_while_the_events_thread_is_busy_are_one_run_each_answered
                 assert "body.batches.0" in replies[5].text  # its own validation error, naming the field
                 assert events.runs == runs_before + 1  # the six bodies: one run
                 assert ctx.directory.stats()["num_keys"] == 15
+    asyncio.run(main())
+
+
+def test_a_large_body_is_split_on_the_prepare_thread_and_answered_the_same() -> None:
+    async def main() -> None:
+        app = create_app(ServiceConfig(chunk_size=C, engine="reference", host="127.0.0.1"))
+        async with app.router.lifespan_context(app):
+            ctx = app.state.blendmatch_context
+            events = ctx._events_thread
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                small = _store_body("p0", 1, 0, 3)
+                r = await client.post("/events", content=small, headers={"content-type": "application/json"})
+                assert r.status_code == 200 and events._prepare is None  # small: split on the events thread
+                n = 1
+                while len(_store_body("p1", 1, 1000, n)) < PREPARE_MIN_BYTES:
+                    n *= 2
+                r = await client.post("/events", content=_store_body("p1", 1, 1000, n),
+                                      headers={"content-type": "application/json"})
+                assert r.status_code == 200 and r.json()["entries_applied"] == n
+                assert events._prepare is not None  # the prepare thread ran its split
+                assert ctx.directory.stats()["num_keys"] == 3 + n
     asyncio.run(main())
