@@ -242,45 +242,50 @@ def _key(src, p, n, row, hashes, h):  # pragma: no cover - compiled
 def _token_ids(src, p, n, flat, t):  # pragma: no cover - compiled
     """The ids of a ``token_ids`` array (``p`` just past its ``[``) into ``flat`` from
     ``t``: ``(end, t)``, or ``(-1, t)`` for anything but decimal integers in 0..2^32-1.
-    The hot loop of the pass (256 ids per entry), written out flat."""
-    while p < n and _ws(src[p]):
+    The hot loop of the pass (256 ids per entry), written out flat. The body ends with
+    ``}`` (checked once by the caller), so a run of digits or whitespace always stops
+    before the end: those loops need no bounds test."""
+    while _ws(src[p]):
         p += 1
-    if p < n and src[p] == _CLOSE:
+    if src[p] == _CLOSE:
         return p + 1, t
     cap = flat.shape[0]
+    ten = np.uint64(10)
+    zero = np.uint64(_ZERO)
+    nine = np.uint64(9)
     while True:
-        if p >= n or t >= cap:
+        if t >= cap:
             return -1, t
-        d = src[p]
-        if d < _ZERO or d > _NINE:
-            return -1, t
-        if d == _ZERO and p + 1 < n and _ZERO <= src[p + 1] <= _NINE:
-            return -1, t  # a leading zero: not JSON
         q = p
-        v = np.uint64(0)
-        while p < n:
-            d = src[p]
-            if d < _ZERO or d > _NINE:
-                break
-            v = v * np.uint64(10) + np.uint64(d - _ZERO)
-            p += 1
-        if p - q > 10 or v > np.uint64(_MAX_ID):
+        v = np.uint64(src[p]) - zero  # wraps for bytes below '0'
+        if v > nine:
             return -1, t
+        p += 1
+        d = np.uint64(src[p]) - zero
+        while d <= nine:
+            v = v * ten + d
+            p += 1
+            d = np.uint64(src[p]) - zero
+        if p - q > 10 or v > np.uint64(_MAX_ID) or (src[q] == _ZERO and p - q > 1):
+            return -1, t  # too long, out of range, or a leading zero (not JSON)
         flat[t] = np.uint32(v)
         t += 1
-        while p < n and _ws(src[p]):
+        c = src[p]
+        if c == _COMMA:
             p += 1
-        if p >= n:
-            return -1, t
-        d = src[p]
-        p += 1
-        if d == _COMMA:
-            while p < n and _ws(src[p]):
+            while _ws(src[p]):
                 p += 1
             continue
-        if d == _CLOSE:
-            return p, t
-        return -1, t  # '.', 'e', '-', anything else: not a plain integer list
+        while _ws(c):
+            p += 1
+            c = src[p]
+        if c == _CLOSE:
+            return p + 1, t
+        if c != _COMMA:
+            return -1, t  # '.', 'e', '-', anything else: not a plain integer list
+        p += 1
+        while _ws(src[p]):
+            p += 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -367,6 +372,8 @@ def split_entries_kernel(src, key, out, ents, arrays, hashes, flat):  # pragma: 
     ``ents`` has one row of ``NCOLS`` per entry, in document order.
     """
     n = src.shape[0]
+    if n == 0 or src[n - 1] != _RBRACE:
+        return 2, 0, 0, 0, 0, 0  # not a JSON object ending the body (the scans below rely on it)
     klen = key.shape[0]
     i = 0
     o = 0
