@@ -26,6 +26,7 @@ refuses. ``tests/test_wire_scan.py`` checks both paths against each other.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from itertools import repeat
 from typing import Optional
 
@@ -150,7 +151,5 @@ def _scopes(scope_of: dict[int, KeyScope], heads: list[int], a: int, b: int) -> 
 
 def _next_head(heads: list[int], a: int) -> int:
     """The first run head after row ``a`` (``heads`` ascending), or a large number."""
-    from bisect import bisect_right
-
     at = bisect_right(heads, a)
     return heads[at] if at < len(heads) else 1 << 62
