@@ -16,6 +16,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ._jsontok import copy_before, copy_tail, next_key_value, write_ordinal
+
 __all__ = ["split_entries_kernel", "ENTRIES", "NCOLS", "C_HASH", "C_HASH_LEN", "C_MODEL", "C_MODEL_END",
            "C_SALT", "C_SALT_END", "C_RANK", "C_GROUP", "C_SIZE", "C_OFFSET", "C_TOKENS", "C_NTOKENS",
            "C_SAME_SCOPE"]
@@ -374,7 +376,6 @@ def split_entries_kernel(src, key, out, ents, arrays, hashes, flat):  # pragma: 
     n = src.shape[0]
     if n == 0 or src[n - 1] != _RBRACE:
         return 2, 0, 0, 0, 0, 0  # not a JSON object ending the body (the scans below rely on it)
-    klen = key.shape[0]
     i = 0
     o = 0
     copied = 0
@@ -384,33 +385,12 @@ def split_entries_kernel(src, key, out, ents, arrays, hashes, flat):  # pragma: 
     t = 0
     max_arrays = arrays.shape[0] - 1
     max_entries = ents.shape[0]
-    while i < n:
-        c = src[i]
-        if c == _BACKSLASH:
-            return 1, 0, 0, 0, 0, 0
-        if c != _QUOTE:
-            i += 1
-            continue
-        j = i + 1
-        while j < n and src[j] != _QUOTE:
-            if src[j] == _BACKSLASH:
-                return 1, 0, 0, 0, 0, 0
-            j += 1
-        if j >= n:
-            return 2, 0, 0, 0, 0, 0
-        is_key_name = j - i - 1 == klen
-        if is_key_name:
-            for m in range(klen):
-                if src[i + 1 + m] != key[m]:
-                    is_key_name = False
-                    break
-        i = j + 1
-        if not is_key_name:
-            continue
-        p = _skip_ws(src, i, n)
-        if p >= n or src[p] != _COLON:
-            continue
-        p = _skip_ws(src, p + 1, n)
+    while True:
+        status, p = next_key_value(src, i, n, key)
+        if status == 4:
+            break
+        if status != 0:
+            return status, 0, 0, 0, 0, 0
         if p >= n or src[p] != _OPEN:
             return 2, 0, 0, 0, 0, 0
         arr_start = p
@@ -438,31 +418,15 @@ def split_entries_kernel(src, key, out, ents, arrays, hashes, flat):  # pragma: 
                 if closed:
                     break
                 p = _skip_ws(src, p, n)
-        need = arr_start - copied + 24
-        if o + need > out.shape[0]:
+        o = copy_before(src, copied, arr_start, out, o)
+        if o < 0:
             return 3, 0, 0, 0, 0, 0
-        out[o:o + arr_start - copied] = src[copied:arr_start]
-        o += arr_start - copied
-        if k == 0:
-            out[o] = _ZERO
-            o += 1
-        else:
-            digits = 0
-            x = k
-            while x > 0:
-                digits += 1
-                x //= 10
-            x = k
-            for m in range(digits - 1, -1, -1):
-                out[o + m] = _ZERO + x % 10
-                x //= 10
-            o += digits
+        o = write_ordinal(out, o, k)
         copied = p
         k += 1
         i = p
     arrays[k] = e
-    if n - copied + o > out.shape[0]:
+    o = copy_tail(src, copied, n, out, o)
+    if o < 0:
         return 3, 0, 0, 0, 0, 0
-    out[o:o + n - copied] = src[copied:n]
-    o += n - copied
     return 0, o, k, e, h, t
