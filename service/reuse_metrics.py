@@ -27,13 +27,15 @@ import threading
 from typing import Any, Sequence
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.placement_rank import resolve_overlaps
 from blendmatch.index.route_score import leading_held, reuse_split
 from blendmatch.index.token_hasher import TokenHasher
 from blendmatch.index.types import BlendMatch, BlendNamespace
+
+from .fast_histogram import FastHistogram
 
 __all__ = ["KINDS", "MAX_MODELS", "OTHER_MODEL", "ReuseMetrics"]
 
@@ -73,7 +75,7 @@ class ReuseMetrics:
         self.tokens = Counter("blendmatch_reuse_tokens", "lookup tokens covered by non-overlapping matches, "
                               "prefix (a prefix cache holds them) or non_prefix (fragments)",
                               ["model", "kind"], registry=registry)
-        self.per_lookup = Histogram("blendmatch_reuse_tokens_per_lookup", "covered tokens per lookup, by kind",
+        self.per_lookup = FastHistogram("blendmatch_reuse_tokens_per_lookup", "covered tokens per lookup, by kind",
                                     ["model", "kind"], buckets=_TOKEN_BUCKETS, registry=registry)
 
     def _label(self, model: str) -> str:
