@@ -17,8 +17,9 @@ serves other requests meanwhile (``docs/performance.md``, "Issue 28, third round
 
 Exact by construction: the pass takes only what it can say exactly. Anything else (a
 backslash anywhere in the body, an entry field it does not know, a field given twice, a
-float, ``null``, a sign, a value out of range, a token id outside uint32, a missing
-required field, ``tokens_b64``) makes it give up on the whole body, and the body is parsed
+float, ``null``, a sign other than ``token_offset: -1``, a value out of range, a token id
+outside uint32, a missing required field, ``tokens_b64``, a body that does not end with
+``}``) makes it give up on the whole body, and the body is parsed
 as before (``tokens.split_token_arrays`` and the entry parser, with their messages);
 so does a scope the interner refuses (a bad model name or salt) and a text the JSON parser
 refuses. ``tests/test_wire_scan.py`` checks both paths against each other.
