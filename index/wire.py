@@ -251,33 +251,27 @@ def parse_event_request(payload: Any, *, arrays: Optional[TokenArrays] = None,
     if type(raw) is not list:
         reason = "is required" if raw is None else f"must be a list, got {_type_name(raw)}"
         raise EventValidationError(("batches",), reason)
-    if entries is not None:
-        return EventRequest(tuple(_parse_split_batch(b, ("batches", i), entries) for i, b in enumerate(raw)))
-    return EventRequest(tuple(parse_event_batch(b, loc=("batches", i), arrays=arrays) for i, b in enumerate(raw)))
+    return EventRequest(tuple(parse_event_batch(b, loc=("batches", i), arrays=arrays, entries=entries)
+                              for i, b in enumerate(raw)))
 
 
-def _parse_split_batch(raw: Any, loc: tuple, entries: list[EntryColumns]) -> EventBatch:
-    try:
-        return _parse_batch(raw, None, entries)
-    except _Bad as bad:
-        raise EventValidationError(tuple(loc) + bad.loc, bad.reason) from None
-
-
-def parse_event_batch(raw: Any, *, loc: tuple = (), arrays: Optional[TokenArrays] = None) -> EventBatch:
+def parse_event_batch(raw: Any, *, loc: tuple = (), arrays: Optional[TokenArrays] = None,
+                      entries: Optional[list[EntryColumns]] = None) -> EventBatch:
     """Validate one batch (the unit a log transport such as Kafka would carry).
 
-    ``loc`` prefixes field paths in errors. Raises :class:`EventValidationError`.
+    ``loc`` prefixes field paths in errors; ``arrays`` and ``entries`` as in
+    :func:`parse_event_request`. Raises :class:`EventValidationError`.
     """
     if isinstance(raw, EventBatch):
         return raw
     try:
-        return _parse_batch(raw, arrays)
+        return _parse_batch(raw, arrays, entries)
     except _Bad as bad:
         raise EventValidationError(tuple(loc) + bad.loc, bad.reason) from None
 
 
 def _parse_batch(raw: Any, arrays: Optional[TokenArrays] = None,
-                 split: Optional[list[EntryColumns]] = None) -> EventBatch:
+                 entries_split: Optional[list[EntryColumns]] = None) -> EventBatch:
     if type(raw) is not dict:
         raise _Bad((), f"must be an object, got {_type_name(raw)}")
     instance_id = raw.get("instance_id")
@@ -305,8 +299,8 @@ def _parse_batch(raw: Any, arrays: Optional[TokenArrays] = None,
     capacity_bytes = _optional_int(raw, "capacity_bytes")
     capacity_revision = _optional_int(raw, "capacity_revision")
     raw_entries = raw.get("entries", _NO_TOKENS)
-    if split is not None and type(raw_entries) is int:  # an ordinal: that array, parsed
-        raw_entries = split[raw_entries] if len(split[raw_entries]) else _NO_TOKENS
+    if entries_split is not None and type(raw_entries) is int:  # an ordinal: that array, parsed
+        raw_entries = entries_split[raw_entries] if len(entries_split[raw_entries]) else _NO_TOKENS
     if event_type == "config" and raw_entries == _NO_TOKENS:
         entries = _empty_entries()
     elif event_type == "config":

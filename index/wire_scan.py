@@ -27,7 +27,7 @@ refuses. ``tests/test_wire_scan.py`` checks both paths against each other.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left
 from itertools import repeat
 from typing import Optional
 
@@ -137,20 +137,11 @@ def _scope(body: bytes, row: np.ndarray) -> KeyScope:
 
 
 def _scopes(scope_of: dict[int, KeyScope], heads: list[int], a: int, b: int) -> list[KeyScope]:
-    """Rows ``a..b-1``'s scopes: each row of a run shares its head's (the norm: one run)."""
-    if scope_of.get(a) is not None and (len(heads) == 1 or _next_head(heads, a) >= b):
-        return list(repeat(scope_of[a], b - a))
+    """Rows ``a..b-1``'s scopes: each row shares the scope of the run head at or before it
+    (``heads`` ascending; row ``a``, an array's first row, is always one). The norm is one
+    run per array."""
+    first, end = bisect_left(heads, a), bisect_left(heads, b)
     out: list[KeyScope] = []
-    current = scope_of[a]
-    for r in range(a, b):
-        got = scope_of.get(r)
-        if got is not None:
-            current = got
-        out.append(current)
+    for h, nxt in zip(heads[first:end], heads[first + 1:end] + [b]):
+        out.extend(repeat(scope_of[h], nxt - h))
     return out
-
-
-def _next_head(heads: list[int], a: int) -> int:
-    """The first run head after row ``a`` (``heads`` ascending), or a large number."""
-    at = bisect_right(heads, a)
-    return heads[at] if at < len(heads) else 1 << 62
