@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._jsontok import copy_before, copy_tail, next_key_value, write_ordinal
+from ._jsontok import copy_before, copy_tail, next_key_value, token_array, write_ordinal
 
 __all__ = ["split_entries_kernel", "ENTRIES", "NCOLS", "C_HASH", "C_HASH_LEN", "C_MODEL", "C_MODEL_END",
            "C_SALT", "C_SALT_END", "C_RANK", "C_GROUP", "C_SIZE", "C_OFFSET", "C_TOKENS", "C_NTOKENS",
@@ -241,56 +241,6 @@ def _key(src, p, n, row, hashes, h):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
-def _token_ids(src, p, n, flat, t):  # pragma: no cover - compiled
-    """The ids of a ``token_ids`` array (``p`` just past its ``[``) into ``flat`` from
-    ``t``: ``(end, t)``, or ``(-1, t)`` for anything but decimal integers in 0..2^32-1.
-    The hot loop of the pass (256 ids per entry), written out flat. The body ends with
-    ``}`` (checked once by the caller), so a run of digits or whitespace always stops
-    before the end: those loops need no bounds test."""
-    while _ws(src[p]):
-        p += 1
-    if src[p] == _CLOSE:
-        return p + 1, t
-    cap = flat.shape[0]
-    ten = np.uint64(10)
-    zero = np.uint64(_ZERO)
-    nine = np.uint64(9)
-    while True:
-        if t >= cap:
-            return -1, t
-        q = p
-        v = np.uint64(src[p]) - zero  # wraps for bytes below '0'
-        if v > nine:
-            return -1, t
-        p += 1
-        d = np.uint64(src[p]) - zero
-        while d <= nine:
-            v = v * ten + d
-            p += 1
-            d = np.uint64(src[p]) - zero
-        if p - q > 10 or v > np.uint64(_MAX_ID) or (src[q] == _ZERO and p - q > 1):
-            return -1, t  # too long, out of range, or a leading zero (not JSON)
-        flat[t] = np.uint32(v)
-        t += 1
-        c = src[p]
-        if c == _COMMA:
-            p += 1
-            while _ws(src[p]):
-                p += 1
-            continue
-        while _ws(c):
-            p += 1
-            c = src[p]
-        if c == _CLOSE:
-            return p + 1, t
-        if c != _COMMA:
-            return -1, t  # '.', 'e', '-', anything else: not a plain integer list
-        p += 1
-        while _ws(src[p]):
-            p += 1
-
-
-@numba.njit(cache=True, nogil=True)
 def _entry(src, p, n, row, hashes, h, flat, t):  # pragma: no cover - compiled
     """One entry object at ``p`` into ``row``: ``(end, hash bytes, tokens written)`` or
     ``(-1, 0, 0)``."""
@@ -331,7 +281,7 @@ def _entry(src, p, n, row, hashes, h, flat, t):  # pragma: no cover - compiled
             f = _F_TOKENS
             if p >= n or src[p] != _OPEN:
                 return -1, 0, 0
-            p, t = _token_ids(src, p + 1, n, flat, t)
+            p, t = token_array(src, p + 1, n, flat, t)
             row[C_NTOKENS] = t - t0
         else:
             return -1, 0, 0
