@@ -1,0 +1,148 @@
+"""Where the ``POST /events`` ceiling is: the real server with its events thread cut short.
+
+Question answered: "with the same posters on the same cores, how many entries per second
+would the server take if applying cost nothing, and if decoding cost nothing too?" (issue
+28, item 5: the measured floor). Three ``blendmatch serve`` processes are spawned in turn,
+alternating rounds, each driven by ``loadtest``'s posters (``posters.post_loop``: 4
+connections posting back to back, every entry a new chunk):
+
+- ``http``: the real server (uvicorn, the fast path, the events thread's hand-off and
+  reply) whose events thread answers each body as applied without reading it;
+- ``decode``: the same, decoding and validating each body as the real one does
+  (``event_source._decode``: the entries pass, pydantic-core) and then not applying it;
+- ``full``: the real server, unchanged.
+
+Cutting the events thread short is done in the spawned process only (``_serve_stage``
+replaces ``event_source.decode_and_apply_run`` before the CLI starts); nothing in the
+service knows about it. Printed per stage and batch size: entries/s, the server's CPU per
+entry split into the event loop's thread and the rest (the events thread and its helpers),
+and the posters' CPU per entry. ``full`` minus ``decode`` is what applying costs in the
+server; ``decode`` minus ``http`` what decoding costs; ``http`` is what the transport, the
+framework and the hand-offs cost (``bench/floor.py`` is the bare-socket floor below it).
+
+Run: ``python -m blendmatch.bench.floor_stages [--batches 64,1000] [--rounds 3]
+[--duration 5] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from .loadgen import free_port, spawn_process, stop_server
+from .posters import post_loop
+
+__all__ = ["STAGES", "main", "measure"]
+
+STAGES = ("http", "decode", "full")
+
+
+def _serve_stage(stage: str, argv: list[str]) -> int:  # pragma: no cover - runs in the spawned server
+    """``blendmatch serve argv`` with the events thread's work cut at ``stage``."""
+    from blendmatch.index.ingest import ApplyCounts, ApplyReport
+    from blendmatch.service import cli, event_source
+
+    if stage != "full":
+        real_decode = event_source._decode
+
+        def cut(directory: Any, bodies: list[tuple[Any, ...]], max_instances: Any = None) -> list[Any]:
+            out: list[Any] = []
+            for raw, _, *split in bodies:
+                if stage == "decode":
+                    request = real_decode(raw, *split)
+                    batches, entries = len(request.batches), sum(len(b.entries) for b in request.batches)
+                else:
+                    batches, entries = 1, 0
+                out.append(ApplyReport(ApplyCounts(batches, 0, 0), entries, {}))
+            return out
+
+        event_source.decode_and_apply_run = cut
+    return cli.main(["serve", *argv])
+
+
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread of ``pid``: ``loop`` (the main thread) and ``rest``."""
+    out = {"loop": 0.0, "rest": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out["loop" if tid == str(pid) else "rest"] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _one(stage: str, batch: int, posters: int, duration: float, first_id: int) -> dict[str, Any]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "blendmatch.bench.floor_stages", "--serve-stage", stage, "--",
+           "--host", "127.0.0.1", "--port", str(port), "--engine", "cpu", "--log-level", "warning"]
+    proc, _ = spawn_process(cmd, port)
+    try:
+        asyncio.run(post_loop("127.0.0.1", port, posters=posters, batch=batch, duration=min(2.0, duration),
+                              chunk_size=256, first_id=first_id))  # warm-up
+        before, g0 = _thread_cpu(proc.pid), os.times()
+        r = asyncio.run(post_loop("127.0.0.1", port, posters=posters, batch=batch, duration=duration,
+                                  chunk_size=256, first_id=first_id + (1 << 40)))
+        after, g1 = _thread_cpu(proc.pid), os.times()
+    finally:
+        stop_server(proc)
+    n = max(1, r["entries"])
+    return {"stage": stage, "batch": batch, "posters": posters, "entries_per_s": r["entries"] / r["seconds"],
+            "errors": r["errors"], "loop_us": 1e6 * (after["loop"] - before["loop"]) / n,
+            "rest_us": 1e6 * (after["rest"] - before["rest"]) / n,
+            "posters_us": 1e6 * (g1.user + g1.system - g0.user - g0.system) / n, "load": os.getloadavg()[0]}
+
+
+def measure(batches: Sequence[int], posters: int, duration: float, rounds: int,
+            stages: Sequence[str] = STAGES) -> list[dict[str, Any]]:
+    """Every stage at every batch size, ``rounds`` times, stages alternating within a round."""
+    rows = []
+    for b, batch in enumerate(batches):
+        for r in range(rounds):
+            for s, stage in enumerate(stages):
+                first = ((b * rounds + r) * len(stages) + s + 1) << 44
+                rows.append({"round": r, **_one(stage, batch, posters, duration, first)})
+                print(f"  {stage} {batch}-entry round {r}: {rows[-1]['entries_per_s']:,.0f} entries/s",
+                      file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--serve-stage"]:  # the spawned server
+        if len(argv) < 2 or argv[1] not in STAGES:
+            raise SystemExit(f"--serve-stage takes one of {', '.join(STAGES)}")
+        return _serve_stage(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
+    p = argparse.ArgumentParser(prog="python -m blendmatch.bench.floor_stages",
+                                description=__doc__.split("\n\n")[1])
+    p.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[64, 1000], metavar="B[,B]")
+    p.add_argument("--posters", type=int, default=4)
+    p.add_argument("--duration", type=float, default=5.0, help="measured seconds per stage (after 2 s of warm-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stages", type=lambda v: v.split(","), default=list(STAGES), metavar="S[,S]")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if args.posters < 1 or args.duration <= 0 or args.rounds < 1 or min(args.batches) < 1:
+        p.error("--posters, --duration, --rounds and every batch must be positive")
+    if not set(args.stages) <= set(STAGES):
+        p.error(f"--stages takes {', '.join(STAGES)}")
+    rows = measure(args.batches, args.posters, args.duration, args.rounds, args.stages)
+    if args.json:
+        print(json.dumps({"stages": rows}))
+        return 0
+    print("| stage | batch | round | entries/s | server us/entry: loop + rest | posters us/entry | load |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['stage']} | {r['batch']} | {r['round']} | {r['entries_per_s']:,.0f} | {r['loop_us']:.1f} + "
+              f"{r['rest_us']:.1f} | {r['posters_us']:.1f} | {r['load']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
