@@ -265,7 +265,10 @@ class IngestPath:
             if verdict is Admission.STALE:
                 stale += 1
                 continue
-            if verdict is not Admission.APPLY or not self._defers(batch):
+            # whether a STORE's chunk hashes are distinct and all unbound (the steady state),
+            # asked once per batch: the deferral, the byte accounting and the apply read it
+            fresh = self._fresh(batch) if verdict is Admission.APPLY and batch.event_type == "store" else None
+            if verdict is not Admission.APPLY or not self._defers(batch, fresh):
                 self._flush()  # every other write sees the index as if applied in order
             watch = self.watch
             seen = None
@@ -279,7 +282,7 @@ class IngestPath:
                     log.info("instance %s restarted (incarnation %d): fenced %d L1 placements",
                              log_safe(batch.instance_id), batch.incarnation, result.placements)
                 seen = watch.before_batch(self.store.bindings, batch) if watch else None
-                self._apply_batch(batch, skipped)
+                self._apply_batch(batch, skipped, fresh)
             finally:
                 if watch:  # also after a failure: compare whatever the batch changed
                     watch.after_batch(self.store.bindings, batch, seen, settle=self._flush)
@@ -290,12 +293,16 @@ class IngestPath:
         return ApplyReport(ApplyCounts(applied, duplicates, stale), entries,
                            {k: v for k, v in skipped.items() if v})
 
-    def _apply_batch(self, batch: EventBatch, skipped: dict[str, int]) -> None:
+    def _apply_batch(self, batch: EventBatch, skipped: dict[str, int], fresh: Optional[bool]) -> None:
+        """``fresh``: :meth:`_fresh` of a STORE batch asked before it (None: ask now, after
+        a fence that may have unbound some of its chunk hashes)."""
         kind = batch.event_type
         self.store.reporters.add(batch.instance_id)
         if kind == "store":
-            self._classify_store(batch, skipped)
-            self._store(batch)
+            if fresh is None:
+                fresh = self._fresh(batch)
+            self._classify_store(batch, skipped, fresh)
+            self._store(batch, fresh)
         elif kind == "delete":
             self.store.delete(batch)
             self.entries_deleted += len(batch.entries)
@@ -304,17 +311,21 @@ class IngestPath:
         else:
             self._config(batch)
 
-    def _defers(self, batch: EventBatch) -> bool:
+    def _fresh(self, batch: EventBatch) -> bool:
+        """A STORE batch's chunk hashes are distinct and none is bound yet."""
+        entries = batch.entries
+        return entries.distinct_hashes and self.store.bindings.keys().isdisjoint(entries.chunk_hashes)
+
+    def _defers(self, batch: EventBatch, fresh: Optional[bool]) -> bool:
         """Whether ``batch`` may go on without a flush: a STORE of distinct chunk hashes, none
         bound yet, every entry indexable (its token block then joins the buffer as it is).
         Nothing else reads what it writes before the flush (its hashes are new; the checks
         of later batches read bindings, never the index, and any other batch flushes first)."""
         index = self.index
         entries = batch.entries
-        if index is None or batch.event_type != "store" or not len(entries) or not entries.distinct_hashes:
+        if index is None or batch.event_type != "store" or not len(entries) or not fresh:
             return False
-        return _whole_block_indexable(entries, index.chunk_size) and self.store.bindings.keys().isdisjoint(
-            entries.chunk_hashes)
+        return _whole_block_indexable(entries, index.chunk_size)
 
     def _config(self, batch: EventBatch) -> None:
         """Record one compartment of an instance's capacity declaration: a newer
@@ -326,7 +337,7 @@ class IngestPath:
                      "dropped", log_safe(batch.instance_id), batch.incarnation, batch.capacity_revision)
 
     # ------------------------------------------------------------------ STORE: accounting
-    def _classify_store(self, batch: EventBatch, skipped: dict[str, int]) -> None:
+    def _classify_store(self, batch: EventBatch, skipped: dict[str, int], fresh: bool) -> None:
         """Before a STORE batch is applied: account its placement bytes (the usage ledger,
         from the placements it replaces) and count its entries that will feed nothing to the
         blend index, by :func:`indexable_reason` (logged once per instance and reason).
@@ -336,7 +347,7 @@ class IngestPath:
         n = len(entries)
         if not n:
             return
-        self._account_store_bytes(batch)
+        self._account_store_bytes(batch, fresh)
         index = self.index
         if index is None:
             return
@@ -366,14 +377,14 @@ class IngestPath:
                             "seq %d); counted in entries_not_indexable, logged once per instance and reason",
                             log_safe(batch.instance_id), reason, h.hex(), batch.seq)
 
-    def _account_store_bytes(self, batch: EventBatch) -> None:
+    def _account_store_bytes(self, batch: EventBatch, fresh: bool) -> None:
         """Usage-ledger delta of a STORE batch: each entry adds a placement with its size, or
         replaces the same copy (same instance, tier, backend) of the same key."""
         entries = batch.entries
         owner = SHARED_POOL_INSTANCE if batch.shared else batch.instance_id
         ident = (owner, batch.tier, batch.backend)
         bindings = self.store.bindings
-        if entries.distinct_hashes and bindings.keys().isdisjoint(entries.chunk_hashes):
+        if fresh:
             self.usage.add(owner, batch.tier, batch.backend, len(entries), sum(entries.sizes))
             return
         count = delta = 0
@@ -398,7 +409,7 @@ class IngestPath:
         self.usage.add(owner, batch.tier, batch.backend, count, delta)
 
     # ------------------------------------------------------------------ STORE: apply
-    def _store(self, batch: EventBatch) -> None:
+    def _store(self, batch: EventBatch, fresh: bool) -> None:
         """Apply a STORE batch. Entries whose chunk hash is already bound (or repeats within
         the batch) apply one by one, in order (:meth:`_store_entries`). When the batch's
         chunk hashes are distinct, the entries whose chunk hash is not bound yet are then
@@ -414,7 +425,7 @@ class IngestPath:
         if not entries.distinct_hashes:
             one_by_one: Sequence[int] = range(n)
             new_rows: Sequence[int] = ()
-        elif bindings.keys().isdisjoint(hashes):
+        elif fresh:
             one_by_one, new_rows = (), range(n)
         else:
             bound = list(map(bindings.__contains__, hashes))
