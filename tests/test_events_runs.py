@@ -148,6 +148,64 @@ def test_a_prepare_step_runs_ahead_on_its_own_thread_and_its_result_comes_last()
     assert t._prepare is None and t.pending == 0
 
 
+def test_awaited_tasks_are_answered_on_their_loop_one_callback_per_run() -> None:
+    """``run_grouped`` / ``run`` from an event loop: each caller gets its own answer or
+    error, a caller that gave up before its task ran is not run, and a run's answers reach
+    the loop together; a loop that closed with a task in flight does not stop the thread."""
+    seen: list = []
+
+    def group(args_list):
+        seen.append([a[0] for a in args_list])
+        return [ValueError(f"bad {a[0]}") if a[0] < 0 else a[0] * 10 for a in args_list]
+
+    t = EventsThread()
+    gate = threading.Event()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        callbacks: list = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args):
+            callbacks.append(cb)
+            return real(cb, *args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        blocker = asyncio.ensure_future(t.run(gate.wait))
+        await asyncio.sleep(0.05)  # the thread is now waiting on the gate
+        calls = [asyncio.ensure_future(t.run_grouped(group, (k,), 1)) for k in (1, 2, -3, 4, 5)]
+        await asyncio.sleep(0)  # every task queued
+        calls[3].cancel()
+        await asyncio.sleep(0)
+        before = len(callbacks)
+        gate.set()
+        assert await blocker is True
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert results[:3] == [10, 20, results[2]] and isinstance(results[2], ValueError)
+        assert str(results[2]) == "bad -3" and isinstance(results[3], asyncio.CancelledError) and results[4] == 50
+        assert seen == [[1, 2, -3, 5]]  # one run, the cancelled task left out
+        assert len(callbacks) - before == 2  # the blocker's answer, then the run's, in one callback
+        assert await t.run(lambda: "plain") == "plain"
+
+    try:
+        asyncio.run(main())
+        gate.clear()
+        fut_loop = asyncio.new_event_loop()
+
+        async def leave_one_in_flight() -> None:
+            asyncio.ensure_future(t.run(gate.wait))
+            await asyncio.sleep(0.05)
+
+        fut_loop.run_until_complete(leave_one_in_flight())
+        fut_loop.close()  # its task's answer has nowhere to go
+        gate.set()
+        assert t.submit_grouped(group, (8,), 1).result(10) == 80  # the thread went on
+    finally:
+        gate.set()
+        t.shutdown()
+    assert t.pending == 0
+
+
 # ---------------------------------------------------------------------- runs vs one by one
 def _directory() -> KeyDirectory:
     d = KeyDirectory()
