@@ -13,7 +13,8 @@ Nothing here locks: the owner (``BlendIndex``) calls every method with its lock 
 from __future__ import annotations
 
 import mmap
-from typing import Any, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence
 
 import numba
 import numpy as np
@@ -237,6 +238,11 @@ class FingerprintMap:
         self.tombstones = 0
 
 
+#: The one thread that maps token blocks ahead of need (``TokenStore.prepare``); the mapping
+#: and pre-faulting run in the kernel, without the GIL.
+_BLOCKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blendmatch-blocks")
+
+
 def _alloc_block(rows: int, width: int) -> np.ndarray:
     """An uninitialised ``(rows, width)`` uint32 block, pre-faulted where the OS allows.
 
@@ -290,20 +296,39 @@ class TokenStore:
         self._py_blocks: list[np.ndarray] = []  # the same arrays, for cheap Python access
         self._ro_blocks: list[np.ndarray] = []  # read-only views of them (rows handed out)
         self._spare: list[np.ndarray] = []  # a block allocated ahead by ``prepare``, not yet in use
+        self._ahead: Optional[Future] = None  # the next block, being mapped on the blocks thread
         self.ensure(1)
 
     def prepare(self, rows: int) -> None:
         """Allocate ahead, without the owner's lock, the block that :meth:`ensure` of ``rows``
         would allocate under it. Mapping and pre-faulting a block costs ~2.5 ms, which the
         index's write lock (and every lookup's verification waiting on it) paid once per
-        8,192 new chunks; the spare is used by the next growth, at no cost under the lock."""
-        if len(self._py_blocks) << self.shift < rows and not self._spare:
-            self._spare.append(_alloc_block(1 << self.shift, self.width))
+        8,192 new chunks; the spare is used by the next growth, at no cost under the lock.
+
+        And once ``rows`` passes half of the last block, the block after it is mapped on a
+        background thread (``_BLOCKS``), so that the caller (the events thread) does not
+        pay the mapping either: the kernel's work runs on another core meanwhile, and the
+        block is ready when growth needs it (one block, 8 MiB, at most, mapped ahead)."""
+        have = len(self._py_blocks) << self.shift
+        if have < rows and not self._spare:
+            self._spare.append(self._next_block())
+        if not self._spare and self._ahead is None and rows > have - (1 << (self.shift - 1)):
+            self._ahead = _BLOCKS.submit(_alloc_block, 1 << self.shift, self.width)
+
+    def _next_block(self) -> np.ndarray:
+        """The block mapped ahead (waiting for it if need be), else one mapped now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            try:
+                return ahead.result()
+            except Exception:  # noqa: BLE001 - mapping ahead is only an optimisation
+                pass
+        return _alloc_block(1 << self.shift, self.width)
 
     def ensure(self, rows: int) -> None:
         """Make rows ``0..rows-1`` addressable."""
         while len(self._py_blocks) << self.shift < rows:
-            block = self._spare.pop() if self._spare else _alloc_block(1 << self.shift, self.width)
+            block = self._spare.pop() if self._spare else self._next_block()
             self._py_blocks.append(block)
             self.blocks.append(block)
             ro = block.view()
@@ -354,7 +379,8 @@ class TokenStore:
         return [ro[r >> shift][r & mask] for r in rows.tolist()]
 
     def nbytes(self) -> int:
-        return (len(self._py_blocks) + len(self._spare)) * (1 << self.shift) * self.width * 4
+        blocks = len(self._py_blocks) + len(self._spare) + (self._ahead is not None)
+        return blocks * (1 << self.shift) * self.width * 4
 
     # ------------------------------------------------------------------ checkpoints
     def export_parts(self, rows: int) -> list[np.ndarray]:
