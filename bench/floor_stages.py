@@ -7,7 +7,8 @@ alternating rounds, each driven by ``loadtest``'s posters (``posters.post_loop``
 connections posting back to back, every entry a new chunk):
 
 - ``http``: the real server (uvicorn, the fast path, the events thread's hand-off and
-  reply) whose events thread answers each body as applied without reading it;
+  reply) whose events thread answers each body as applied without reading it (and whose
+  prepare thread does not split large bodies);
 - ``decode``: the same, decoding and validating each body as the real one does
   (``event_source._decode``: the entries pass, pydantic-core) and then not applying it;
 - ``full``: the real server, unchanged.
@@ -61,6 +62,8 @@ def _serve_stage(stage: str, argv: list[str]) -> int:  # pragma: no cover - runs
             return out
 
         event_source.decode_and_apply_run = cut
+        if stage == "http":  # nor the split of large bodies on the prepare thread
+            event_source.prepare_body = lambda raw, may_act_for=None: None
     return cli.main(["serve", *argv])
 
 
