@@ -531,7 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results += _measure_lmcache(args, workload)
     print()
     print(table(results))
-    print(f"\nIssue 28's figures ({args.tokens}-token tokens_b64 lookups over {args.chunks:,} chunks of "
+    form = "tokens_b64" if args.token_form == "b64" else "token_ids"
+    print(f"\nIssue 28's figures ({args.tokens}-token {form} lookups over {args.chunks:,} chunks of "
           f"{args.chunk_size}, {args.clients} clients, {args.generator}; ingest phases {args.ingest_duration:g} s "
           "each, every entry a new chunk):\n")
     print(issue_table(results, config=config, lmcache=LMCACHE if args.vs_lmcache else None,
