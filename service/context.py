@@ -17,6 +17,8 @@ Threads (why three):
   queue behind lookups nor lookups behind events; they contend only for the GIL (the probe
   runs in numba with the GIL released) and briefly for the index lock (a lookup takes it
   only to verify survivors, never the directory's lock);
+- ``blendmatch-blocks`` (one thread, ``index/storage.py``): maps the index's next token
+  block ahead of need, so the events thread does not pay the kernel's page mapping;
 - reads that take the directory lock (stats, key listing, key lookup, a metrics scrape) go
   to the loop's default executor, so a long event apply never stalls the loop.
 """
