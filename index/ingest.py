@@ -323,7 +323,7 @@ class IngestPath:
         of later batches read bindings, never the index, and any other batch flushes first)."""
         index = self.index
         entries = batch.entries
-        if index is None or batch.event_type != "store" or not len(entries) or not fresh:
+        if index is None or not fresh or not len(entries):  # fresh: a STORE's, None for the rest
             return False
         return _whole_block_indexable(entries, index.chunk_size)
 

@@ -25,7 +25,7 @@ loop (``run``, ``run_grouped``) is answered through an asyncio future of that lo
 thread hands a run's answers to the loop in one ``call_soon_threadsafe`` (one wake-up of
 the loop per run, not per body). Measured with 4 concurrent callers of a trivial group:
 35 us of CPU per task with a concurrent future, a kick through a thread pool and
-``wrap_future`` per task, 16 us this way (``docs/performance.md``, issue 28).
+``wrap_future`` per task, 12.6 us this way (``docs/performance.md``, issue 28).
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ class _Task:
     args: tuple[Any, ...]
     size: int
     future: Optional[Future] = None  # the caller's future (a caller on a thread), or
-    waiter: Optional[asyncio.Future] = None  # the awaiting coroutine's future, of ``loop``
-    loop: Optional[asyncio.AbstractEventLoop] = None
+    waiter: Optional[asyncio.Future] = None  # the awaiting coroutine's future (answered on its loop)
     prepared: Optional[Future] = None  # the task's ``prepare`` result, computed on the prepare thread
 
     def start(self) -> bool:
@@ -111,18 +110,17 @@ class EventsThread:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``submit`` from the event loop, awaited."""
-        loop = asyncio.get_running_loop()
-        task = _Task(fn, None, args, 0, waiter=loop.create_future(), loop=loop)
-        self._put(task)
-        return await task.waiter  # type: ignore[misc]
+        return await self._awaited(_Task(fn, None, args, 0))
 
     async def run_grouped(self, group: GroupFn, args: tuple[Any, ...], size: int,
                           prepare: Optional[Callable[..., Any]] = None) -> Any:
         """``submit_grouped`` from the event loop, awaited."""
-        loop = asyncio.get_running_loop()
-        task = _Task(None, group, args, max(0, int(size)), waiter=loop.create_future(), loop=loop)
+        return await self._awaited(_Task(None, group, args, max(0, int(size))), prepare)
+
+    async def _awaited(self, task: _Task, prepare: Optional[Callable[..., Any]] = None) -> Any:
+        task.waiter = asyncio.get_running_loop().create_future()
         self._put(task, prepare)
-        return await task.waiter  # type: ignore[misc]
+        return await task.waiter
 
     def _put(self, task: _Task, prepare: Optional[Callable[..., Any]] = None) -> None:
         with self._lock:
@@ -214,7 +212,7 @@ def _answer(tasks: list[_Task], results: list[Any]) -> None:
     batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any]]] = {}
     for t, res in zip(tasks, results):
         if t.waiter is not None:
-            batches.setdefault(t.loop, []).append((t.waiter, res))  # type: ignore[arg-type]
+            batches.setdefault(t.waiter.get_loop(), []).append((t.waiter, res))
         elif isinstance(res, BaseException):
             t.future.set_exception(res)  # type: ignore[union-attr]
         else:
