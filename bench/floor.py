@@ -24,13 +24,16 @@ from typing import Any
 
 from .posters import post_loop
 
-__all__ = ["main", "measure"]
+__all__ = ["REPLY", "main", "measure", "serve_bare"]
 
 REPLY = b'{"applied":1,"duplicates":0,"stale":0,"entries_applied":0,"entries_not_indexable":0}'
 
 
 class _Bare(asyncio.Protocol):
-    """Reads requests by Content-Length (one copy of each body, as a server would hold it)."""
+    """Reads requests by Content-Length (one copy of each body, as a server would hold it)
+    and answers each with ``reply``, a JSON body."""
+
+    reply = REPLY
 
     def connection_made(self, transport: Any) -> None:
         self.t = transport
@@ -56,13 +59,18 @@ class _Bare(asyncio.Protocol):
             body = bytes(self.buf[:self.need])  # noqa: F841 - the copy a server makes
             del self.buf[:self.need]
             self.need = None
+            reply = self.reply
             self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                         % (len(REPLY), REPLY))
+                         % (len(reply), reply))
 
 
-def _serve(port: int, ready: Any) -> None:  # pragma: no cover - runs in the child process
+def serve_bare(port: int, ready: Any, reply: bytes = REPLY) -> None:  # pragma: no cover - a child process
+    """The bare server on ``127.0.0.1:port`` answering every request with ``reply``; sets
+    ``ready`` (a multiprocessing event) once listening. Run it in a process of its own."""
+    proto = type("Bare", (_Bare,), {"reply": reply})
+
     async def run() -> None:
-        await asyncio.get_running_loop().create_server(_Bare, "127.0.0.1", port)
+        await asyncio.get_running_loop().create_server(proto, "127.0.0.1", port)
         ready.set()
         await asyncio.Event().wait()
 
@@ -85,7 +93,7 @@ def measure(batches: list[int], posters: int, duration: float) -> list[dict[str,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ready = mp.get_context("spawn").Event()
-    proc = mp.get_context("spawn").Process(target=_serve, args=(port, ready), daemon=True)
+    proc = mp.get_context("spawn").Process(target=serve_bare, args=(port, ready), daemon=True)
     proc.start()
     try:
         if not ready.wait(30):

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 from .loadgen import free_port, spawn_process, stop_server
 from .posters import post_loop
 
-__all__ = ["STAGES", "main", "measure"]
+__all__ = ["STAGES", "main", "measure", "thread_cpu"]
 
 STAGES = ("http", "decode", "full")
 
@@ -67,7 +67,7 @@ def _serve_stage(stage: str, argv: list[str]) -> int:  # pragma: no cover - runs
     return cli.main(["serve", *argv])
 
 
-def _thread_cpu(pid: int) -> dict[str, float]:
+def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds per thread of ``pid``: ``loop`` (the main thread) and ``rest``."""
     out = {"loop": 0.0, "rest": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
@@ -89,10 +89,10 @@ def _one(stage: str, batch: int, posters: int, duration: float, first_id: int) -
     try:
         asyncio.run(post_loop("127.0.0.1", port, posters=posters, batch=batch, duration=min(2.0, duration),
                               chunk_size=256, first_id=first_id))  # warm-up
-        before, g0 = _thread_cpu(proc.pid), os.times()
+        before, g0 = thread_cpu(proc.pid), os.times()
         r = asyncio.run(post_loop("127.0.0.1", port, posters=posters, batch=batch, duration=duration,
                                   chunk_size=256, first_id=first_id + (1 << 40)))
-        after, g1 = _thread_cpu(proc.pid), os.times()
+        after, g1 = thread_cpu(proc.pid), os.times()
     finally:
         stop_server(proc)
     n = max(1, r["entries"])

@@ -65,7 +65,7 @@ from .loadgen import (Conn, closed_loop, free_port, get_request, percentile_ms, 
                       spawn_process, spawn_server, stop_server, wrk_available, wrk_loop)
 from .posters import MODEL, StoreBodies, entry_text, events_body, issue_table, post_loop
 
-__all__ = ["main", "spawn_server", "stop_server", "PhaseResult", "LOOPBACK_HOSTS"]
+__all__ = ["main", "spawn_server", "stop_server", "PhaseResult", "LOOPBACK_HOSTS", "Workload", "fill", "lookup_requests"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _FILL_BATCH = 2000  # entries per fill request (~3 MB of JSON at 256 tokens)
@@ -321,7 +321,9 @@ async def fill(host: str, port: int, workload: Workload, per_request: int = _FIL
 
 
 # ---------------------------------------------------------------------- orchestration
-def _lookup_requests(host: str, workload: Workload, token_form: str = "b64") -> list[bytes]:
+def lookup_requests(host: str, workload: Workload, token_form: str = "b64") -> list[bytes]:
+    """The lookup phases' requests, one per query of ``workload`` (``tokens_b64`` or, with
+    ``token_form="ids"``, LMCache's ``token_ids`` form), as raw HTTP/1.1."""
     import base64
 
     reqs = []
@@ -354,7 +356,7 @@ async def _measure(url: str, config_name: str, args: argparse.Namespace, workloa
         secs = await fill(host, port, workload, args.fill_batch)
         print(f"[{config_name}] stored {workload.chunks} chunks in {secs:.1f} s "
               f"({workload.chunks / secs:,.0f} entries/s)", flush=True)
-    requests = _lookup_requests(hosthdr, workload, getattr(args, "token_form", "b64"))
+    requests = lookup_requests(hosthdr, workload, getattr(args, "token_form", "b64"))
     check = _make_check(workload.expected_matches())
     common = dict(clients=args.clients, max_requests=args.max_requests, chunk_size=workload.chunk_size,
                   generator=args.generator, server_pid=server_pid)

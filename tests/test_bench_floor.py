@@ -44,3 +44,63 @@ def test_stages_cli_rejects_bad_arguments(capsys):
     assert "--stages takes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         floor_stages.main(["--serve-stage", "nothing"])
+
+
+_needs_wrk = __import__("pytest").mark.skipif(__import__("shutil").which("wrk") is None,
+                                               reason="bench/floor_lookups.py drives wrk (apt-get install -y wrk)")
+
+
+@_needs_wrk
+def test_lookup_stages_answer_every_lookup_and_split_the_cpu():
+    """``bench/floor_lookups.py``: wrk's lookups reach each stage and every one is answered
+    200; the real servers' CPU is split into the loop and the rest. No timing is asserted."""
+    from blendmatch.bench import floor_lookups
+
+    rows = floor_lookups.measure(rounds=1, duration=0.5, chunks=500, tokens=1024, clients=4)
+    assert [r["stage"] for r in rows] == list(floor_lookups.STAGES)
+    for r in rows:
+        assert r["errors"] == 0 and r["lookups_per_s"] > 0 and r["server_us"] > 0 and r["wrk_us"] > 0
+        assert 0 < r["p50_ms"] <= r["p99_ms"]
+        assert ("loop_us" in r) == (r["stage"] != "bare")
+
+
+def test_lookup_http_stage_answers_without_looking_up_and_full_looks_up():
+    """The ``http`` stage's lookup thread answers the canned answer (no decoding, no probe),
+    whatever the tokens; ``full`` is the real server (nothing stored: no match)."""
+    import base64
+    import json
+
+    import httpx
+    import numpy as np
+
+    from blendmatch.bench import floor_lookups
+    from blendmatch.bench.loadgen import free_port, stop_server
+
+    tokens = base64.b64encode(np.arange(1024, dtype="<u4").tobytes()).decode()
+    answers = {}
+    for stage in ("http", "full"):
+        port = free_port()
+        server = floor_lookups.spawn_stage(stage, port)
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/directory/blend-lookup",
+                           json={"tokens_b64": tokens, "model_name": "m"}, timeout=30)
+            assert r.status_code == 200
+            answers[stage] = r.content
+        finally:
+            stop_server(server)
+    assert answers["http"] == floor_lookups.ANSWER and len(json.loads(answers["http"])["matches"]) == 4
+    assert json.loads(answers["full"]) == {"matches": []}
+
+
+def test_lookup_stages_cli_rejects_bad_arguments(capsys):
+    import pytest
+
+    from blendmatch.bench import floor_lookups
+
+    with pytest.raises(SystemExit):
+        floor_lookups.main(["--stages", "bare,nothing"])
+    assert "--stages takes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        floor_lookups.main(["--serve-stage", "bare"])
+    with pytest.raises(ValueError):
+        floor_lookups.spawn_stage("bare", 1)

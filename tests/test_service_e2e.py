@@ -84,7 +84,7 @@ def test_loadtest_phases_against_a_live_server():
 
         async def go():
             await loadtest.fill("127.0.0.1", port, workload)
-            reqs = loadtest._lookup_requests(f"127.0.0.1:{port}", workload)
+            reqs = loadtest.lookup_requests(f"127.0.0.1:{port}", workload)
             check = loadtest._make_check(workload.expected_matches())
             plain = await loadtest.run_phase("127.0.0.1", port, config="t", phase="lookup", requests=reqs,
                                              tokens=workload.tokens, clients=4, duration=0.5, max_requests=300,
@@ -132,7 +132,7 @@ def test_loadtest_wrk_generator_against_a_live_server():
 
         async def go():
             await loadtest.fill("127.0.0.1", port, workload)
-            reqs = loadtest._lookup_requests(f"127.0.0.1:{port}", workload, "ids")
+            reqs = loadtest.lookup_requests(f"127.0.0.1:{port}", workload, "ids")
             return await loadtest.run_phase("127.0.0.1", port, config="t", phase="lookup+events", requests=reqs,
                                             tokens=workload.tokens, clients=4, duration=1, max_requests=10**6,
                                             chunk_size=C, event_rate=200, event_batch=10, generator="wrk",
