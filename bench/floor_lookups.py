@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 from .floor import serve_bare
 from .floor_stages import thread_cpu
-from .loadgen import free_port, spawn_process, stop_server, wrk_available, wrk_loop
+from .loadgen import free_port, proc_cpu_s, spawn_process, stop_server, wrk_available, wrk_loop
 from .loadtest import Workload, fill, lookup_requests
 
 __all__ = ["ANSWER", "STAGES", "main", "measure", "spawn_stage"]
@@ -75,11 +75,11 @@ def _drive(port: int, requests: list[bytes], clients: int, duration: float, pid:
     """``wrk`` for 2 s (warm-up), then ``duration`` s measured: rates, latency, CPU."""
     asyncio.run(wrk_loop("127.0.0.1", port, requests, clients, min(2.0, duration)))
     before = thread_cpu(pid) if split_threads else None
-    total0 = _proc_cpu(pid)
+    total0 = proc_cpu_s(pid) or 0.0
     child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     got, wall = asyncio.run(wrk_loop("127.0.0.1", port, requests, clients, duration))
     child1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    total1 = _proc_cpu(pid)
+    total1 = proc_cpu_s(pid) or 0.0
     after = thread_cpu(pid) if split_threads else None
     n = max(1, int(got["requests"]))
     seconds = float(got["seconds"]) or wall
@@ -92,12 +92,6 @@ def _drive(port: int, requests: list[bytes], clients: int, duration: float, pid:
         row["loop_us"] = 1e6 * (after["loop"] - before["loop"]) / n
         row["rest_us"] = 1e6 * (after["rest"] - before["rest"]) / n
     return row
-
-
-def _proc_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def spawn_stage(stage: str, port: int) -> subprocess.Popen:
