@@ -148,7 +148,7 @@ async def _drive(url: str, args: argparse.Namespace) -> dict[str, tuple[float, f
     host, port = parts.hostname or "127.0.0.1", int(parts.port or 80)
     workload = loadtest.Workload(args.chunk_size, args.chunks, args.tokens, args.matches_per_query)
     await loadtest.fill(host, port, workload)
-    requests = loadtest._lookup_requests(f"{host}:{port}", workload)
+    requests = loadtest.lookup_requests(f"{host}:{port}", workload)
     check = loadtest._make_check(workload.expected_matches())
     common = dict(requests=requests, tokens=args.tokens, clients=args.clients, duration=args.duration,
                   max_requests=10**8, chunk_size=args.chunk_size, generator=args.generator)

@@ -40,7 +40,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -63,6 +63,15 @@ _FREE = -2  # c_occ of a free content row
 _EMPTY_LIST_BYTES = sys.getsizeof([])
 
 
+class _Staged(NamedTuple):
+    """New contents written into free rows, not yet visible (``BlendIndex._stage_new``)."""
+
+    fps: np.ndarray
+    rows: np.ndarray
+    claims: list[tuple[int, int]]  # (namespace id, claims added)
+    hash_bytes: int
+
+
 class BlendIndex:
     """The host truth of blend lookups. See the module docstring for semantics."""
 
@@ -80,6 +89,13 @@ class BlendIndex:
         # What probes go through: the chosen engine until it fails at run time, then the CPU
         # engine (``gpu.select.FailoverEngine``: logged and counted there).
         self._failover = chosen if isinstance(chosen, FailoverEngine) else FailoverEngine(chosen)
+        # Two locks, always taken in this order: ``_writer`` keeps writers one at a time (the
+        # key directory's lock already does for the service), ``_lock`` keeps readers out
+        # (verification waits for it). A bulk add stages its new contents under ``_writer``
+        # alone, in rows no reader can reach until the fingerprint map and the slot array
+        # name them, then publishes them under ``_lock``: the hold lookups wait for is the
+        # publish, not the copy (issue 28 item 2; ``_stage_new``).
+        self._writer = threading.RLock()
         self._lock = threading.RLock()
         self._fpmap = FingerprintMap()
         self._tokens = TokenStore(chunk_size)
@@ -98,8 +114,16 @@ class BlendIndex:
 
     @property
     def write_lock(self) -> threading.RLock:
-        """The lock every write takes; writes under one hold are seen by lookups at once."""
+        """The lock every write takes to change what lookups see; writes under one hold are
+        seen by lookups at once. Take :attr:`writer_lock` first (lock order)."""
         return self._lock
+
+    @property
+    def writer_lock(self) -> threading.RLock:
+        """The lock that keeps writers one at a time, taken before :attr:`write_lock`.
+        A holder of both for a run of writes lets ``add_many`` stage without lookups
+        waiting only when it takes :attr:`write_lock` through ``before_publish``."""
+        return self._writer
 
     @property
     def engine(self) -> Engine:
@@ -125,16 +149,21 @@ class BlendIndex:
             log.debug("not indexed: content of %d tokens, chunk size %d", arr.size, self.chunk_size)
             return None
         fp = chunk_fingerprint(arr)
-        with self._lock:
+        with self._writer, self._lock:
             view = self._add_locked(arr, fp, chunk_hash, offset, ns)
             self._maybe_rebuild()
             return view
 
     def add_many(self, tokens2d: Any, chunk_hashes: Sequence[bytes], token_offsets: Any,
-                 namespaces: BlendNamespace | Sequence[BlendNamespace]) -> list[np.ndarray | None]:
+                 namespaces: BlendNamespace | Sequence[BlendNamespace],
+                 before_publish: Callable[[], None] | None = None) -> list[np.ndarray | None]:
         """``add`` for many chunks at once: the same results as calling ``add`` for each row in
         order, with the per-chunk Python overhead batched away (new contents are inserted with
         a handful of array operations). All input is validated before anything is applied.
+
+        New contents are staged (copied into free rows) before :attr:`write_lock` is taken
+        and published under it. ``before_publish`` runs before the first publish: the key
+        directory takes its run-long hold there, after the copy.
         """
         arr = as_token_rows(tokens2d)
         n = arr.shape[0]
@@ -166,16 +195,23 @@ class BlendIndex:
         # a lookup's verification waits for it, and a 5,000-row batch held it 3-8 ms (one
         # 256-row part: ~0.2 ms); a caller holding ``write_lock`` (the key directory, so that
         # lookups see its run whole) keeps it. Parts apply in order: the same results as one
-        # pass (a row's duplicates in later parts find it in the fingerprint map).
-        step = self.ADD_MANY_ROWS_PER_LOCK
+        # pass (a row's duplicates in later parts find it in the fingerprint map). A caller
+        # that passes ``before_publish`` keeps the lock from the first publish to its run's
+        # end anyway: one part, all of it staged before the hold.
+        step = n if before_publish is not None else self.ADD_MANY_ROWS_PER_LOCK
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             part: list[np.ndarray | None] = [None] * (hi - lo)
             nss = Repeat(ns_list.value, hi - lo) if isinstance(ns_list, Repeat) else ns_list[lo:hi]
             hashes = chunk_hashes[lo:hi] if (lo, hi) != (0, n) else chunk_hashes
-            with self._lock:
-                self._add_part_locked(arr[lo:hi], fps[lo:hi], hashes, offsets[lo:hi], nss, part)
-                self._maybe_rebuild()
+            with self._writer:
+                staged = self._stage_part(arr[lo:hi], fps[lo:hi], hashes, offsets[lo:hi], nss, part)
+                if before_publish is not None:
+                    before_publish()
+                    before_publish = None
+                with self._lock:
+                    self._publish_part(staged, arr[lo:hi], fps[lo:hi], hashes, offsets[lo:hi], nss, part)
+                    self._maybe_rebuild()
             results[lo:hi] = part
         return results
 
@@ -188,19 +224,36 @@ class BlendIndex:
     #: Rows of one ``add_many`` applied per hold of the index lock (see ``add_many``).
     ADD_MANY_ROWS_PER_LOCK = 256
 
-    def _add_part_locked(self, arr: np.ndarray, fps: np.ndarray, chunk_hashes: Sequence[bytes],
-                         offsets: np.ndarray, ns_list: Sequence[BlendNamespace], results: list) -> None:
+    def _stage_part(self, arr: np.ndarray, fps: np.ndarray, chunk_hashes: Sequence[bytes],
+                    offsets: np.ndarray, ns_list: Sequence[BlendNamespace], results: list
+                    ) -> tuple[_Staged | None, np.ndarray]:
+        """Writer held: stage the part's new contents (distinct fingerprints absent from the
+        map, known offsets; ``_stage_new``). Returns them and which rows they are."""
         n = arr.shape[0]
         rows = self._fpmap.lookup(fps)
         candidates = np.flatnonzero((rows < 0) & (offsets >= 0))
         _, first = np.unique(fps[candidates], return_index=True)
         fast = np.sort(candidates[first])
+        staged = None
         if fast.size == n:  # the common bulk case: every row is new content
-            self._insert_new(arr, fps, list(chunk_hashes), offsets, ns_list, results, fast)
+            staged = self._stage_new(arr, fps, list(chunk_hashes), offsets, ns_list, results, fast)
         elif fast.size:
             fl = fast.tolist()
-            self._insert_new(arr[fast], fps[fast], [chunk_hashes[i] for i in fl], offsets[fast],
-                             [ns_list[i] for i in fl], results, fast)
+            staged = self._stage_new(arr[fast], fps[fast], [chunk_hashes[i] for i in fl], offsets[fast],
+                                     [ns_list[i] for i in fl], results, fast)
+        return staged, fast
+
+    def _publish_part(self, staged: tuple[_Staged | None, np.ndarray], arr: np.ndarray, fps: np.ndarray,
+                      chunk_hashes: Sequence[bytes], offsets: np.ndarray, ns_list: Sequence[BlendNamespace],
+                      results: list) -> None:
+        """Both locks held: publish the staged contents, then apply the part's other rows
+        one by one, in order (they may name contents just published)."""
+        new, fast = staged
+        if new is not None:
+            self._publish_new(new)
+        n = arr.shape[0]
+        if fast.size == n:
+            return
         is_fast = np.zeros(n, dtype=bool)
         is_fast[fast] = True
         for i in np.flatnonzero(~is_fast).tolist():
@@ -226,7 +279,7 @@ class BlendIndex:
         (and, on this class of VM, the page faults of new memory) from the ingest path."""
         if num_chunks < 0:
             raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
-        with self._lock:
+        with self._writer, self._lock:
             self._tokens.ensure(num_chunks)
             for cols in (self._c, self._o, self._k):
                 cols.reserve(num_chunks)
@@ -342,8 +395,9 @@ class BlendIndex:
             self._slot_writes += 1
 
     def stats(self) -> dict[str, Any]:
-        """Counts and sizes (cheap; safe to call from a metrics scrape)."""
-        with self._lock:
+        """Counts and sizes (cheap; safe to call from a metrics scrape). Waits for a
+        writer: staged contents are counted once published."""
+        with self._writer, self._lock:
             out: dict[str, Any] = {
                 "chunk_size": self.chunk_size,
                 "probe_stride": self.probe_stride,
@@ -363,7 +417,7 @@ class BlendIndex:
 
     def memory_bytes(self) -> int:
         """Resident bytes of the index's structures, tokens included (capacity, not just use)."""
-        with self._lock:
+        with self._writer, self._lock:
             return self._memory_bytes_locked()
 
     @property
@@ -413,7 +467,7 @@ class BlendIndex:
                 raise ValueError(f"checkpoint has {name} {doc[name]!r}, this server {mine!r}")
         sizes = doc["sizes"]
         c_size, o_size, k_size = int(sizes["c"]), int(sizes["o"]), int(sizes["k"])
-        with self._lock:
+        with self._writer, self._lock:
             if self._c.live or self._o.live:
                 raise ValueError("restore_state needs an empty index")
             # read (and so verify) everything before changing anything
@@ -461,8 +515,9 @@ class BlendIndex:
             if offset == UNKNOWN_TOKEN_OFFSET:
                 return None
             out: list[np.ndarray | None] = [None]
-            self._insert_new(arr[None, :], np.array([fp], dtype=np.uint64), [chunk_hash],
-                             np.array([offset], dtype=np.int64), [ns], out, np.zeros(1, dtype=np.int64))
+            self._publish_new(self._stage_new(arr[None, :], np.array([fp], dtype=np.uint64), [chunk_hash],
+                                              np.array([offset], dtype=np.int64), [ns], out,
+                                              np.zeros(1, dtype=np.int64)))
             return out[0]
         stored = self._tokens.row(row)
         if not np.array_equal(stored, arr):
@@ -480,20 +535,30 @@ class BlendIndex:
             self._o["offset"][occ] = offset
             self._o["claim"][occ] = _NONE
             self._set_hash(occ, chunk_hash)
+            self._hash_bytes += sys.getsizeof(chunk_hash)
             self._append_occupant(row, occ)
         elif offset != UNKNOWN_TOKEN_OFFSET:
             self._o["offset"][occ] = offset
         self._add_claim(occ, self._ns.id_of(ns))
         return stored
 
-    def _insert_new(self, arr: np.ndarray, fps: np.ndarray, hashes: list[bytes], offsets: np.ndarray,
-                    nss: Sequence[BlendNamespace], results: list, positions: np.ndarray) -> None:
-        """Insert new contents (distinct fingerprints, absent from the map, known offsets), each
-        with one occupant and one claim, in a handful of array operations."""
+    def _stage_new(self, arr: np.ndarray, fps: np.ndarray, hashes: list[bytes], offsets: np.ndarray,
+                   nss: Sequence[BlendNamespace], results: list, positions: np.ndarray) -> _Staged:
+        """Stage new contents (distinct fingerprints, absent from the map, known offsets), each
+        with one occupant and one claim, in a handful of array operations; :meth:`_publish_new`
+        makes them visible. Needs only :attr:`writer_lock`: the rows written are free rows,
+        which no lookup reaches (verification reaches contents through the fingerprint map,
+        occupants and claims through their contents' lists), and a column that grows is
+        copied to a new array while a reader keeps the old one. Only a new token block is
+        added under ``_lock`` (compiled readers walk the block list)."""
         n = fps.shape[0]
         rows = self._c.alloc(n)
         occs = self._o.alloc(n)
         claims = self._k.alloc(n)
+        need = int(rows.max()) + 1 if n else 0
+        if need > self._tokens.addressable:
+            with self._lock:
+                self._tokens.ensure(need)
         self._tokens.write(rows, arr)
         c, o, k = self._c, self._o, self._k
         c["fp"][rows] = fps
@@ -505,31 +570,37 @@ class BlendIndex:
         if isinstance(nss, Repeat):  # one namespace for all rows
             nid = self._ns.id_of(nss.value)
             k["ns"][claims] = nid
-            self._ns.claims[nid] += n
+            counts: list[tuple[int, int]] = [(nid, n)]
         else:
             nids = np.fromiter((self._ns.id_of(ns) for ns in nss), dtype=np.int64, count=n)
             k["ns"][claims] = nids
-            for nid, cnt in zip(*np.unique(nids, return_counts=True)):
-                self._ns.claims[int(nid)] += int(cnt)
+            counts = [(int(nid), int(cnt)) for nid, cnt in zip(*np.unique(nids, return_counts=True))]
         k["next"][claims] = _NONE
         if n and int(occs[0]) == len(self._o_hash) and int(occs[-1]) == int(occs[0]) + n - 1:
             self._o_hash.extend(hashes)  # all fresh ids: the common bulk case
-            self._hash_bytes += sum(map(sys.getsizeof, hashes))
         else:
             for occ, h in zip(occs.tolist(), hashes):
                 self._set_hash(occ, h)
-        self._fpmap.insert(fps, rows)
-        self._slots_write(self._slots.insert, fps)
         views = self._tokens.rows(rows)
         if n == len(results):  # every row of the call is new content: positions are 0..n-1
             results[:] = views
         else:
             for pos, view in zip(positions.tolist(), views):
                 results[pos] = view
+        return _Staged(fps, rows, counts, sum(map(sys.getsizeof, hashes)))
+
+    def _publish_new(self, staged: _Staged) -> None:
+        """Both locks held: make staged contents visible (fingerprint map, slot array) and
+        count them."""
+        for nid, cnt in staged.claims:
+            self._ns.claims[nid] += cnt
+        self._hash_bytes += staged.hash_bytes
+        self._fpmap.insert(staged.fps, staged.rows)
+        self._slots_write(self._slots.insert, staged.fps)
 
     def _set_hash(self, occ: int, chunk_hash: bytes) -> None:
-        """Record occupant ``occ``'s chunk hash (``occ`` is fresh or was freed)."""
-        self._hash_bytes += sys.getsizeof(chunk_hash)
+        """Record occupant ``occ``'s chunk hash (``occ`` is fresh or was freed); the caller
+        counts its bytes (``_hash_bytes``) when it becomes visible."""
         if occ == len(self._o_hash):
             self._o_hash.append(chunk_hash)
         else:
@@ -583,7 +654,7 @@ class BlendIndex:
         if arr.size != self.chunk_size:
             return False
         fp = chunk_fingerprint(arr)
-        with self._lock:
+        with self._writer, self._lock:
             row = self._fpmap.get(fp)
             if row < 0 or not np.array_equal(self._tokens.row(row), arr):
                 return False

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from itertools import repeat
 from operator import itemgetter
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -119,9 +119,10 @@ class _IndexAdds:
         self.bindings.extend(bindings)
         self.sent.extend(repeat(None, len(bindings)) if sent is None else sent)
 
-    def flush(self, index: Optional[BlendIndex]) -> None:
-        """Run the adds as one ``add_many``; each binding keeps the index's row (no copy),
-        else a private copy (never a view of a batch's buffer)."""
+    def flush(self, index: Optional[BlendIndex], before_publish: Optional[Callable[[], None]] = None) -> None:
+        """Run the adds as one ``add_many`` (``before_publish``: its hook, the run's hold);
+        each binding keeps the index's row (no copy), else a private copy (never a view of
+        a batch's buffer)."""
         if self.blocks:
             assert index is not None  # only an enabled directory queues adds
             blocks, nss = self.blocks, self.namespaces
@@ -133,7 +134,7 @@ class _IndexAdds:
                 arg = []
                 for ns, block in zip(nss, blocks):
                     arg.extend(repeat(ns, block.shape[0]) if isinstance(ns, BlendNamespace) else ns)
-            results = index.add_many(tokens, self.hashes, self.offsets, arg)
+            results = index.add_many(tokens, self.hashes, self.offsets, arg, before_publish)
             for k, (b, sent, row) in enumerate(zip(self.bindings, self.sent, results)):
                 if sent is None:
                     b.tokens = row if row is not None else _own_copy(tokens[k])
@@ -236,16 +237,19 @@ class IngestPath:
         if self._adds.blocks:
             if not self._holding:  # a new token block, if one is needed, is mapped before the hold
                 self.index.prepare_add(len(self._adds.hashes))  # type: ignore[union-attr]
-            self._hold_index()
-        self._adds.flush(self.index)
+        # The hold starts inside add_many, after its new contents are staged (copied into
+        # rows no lookup reaches): verification waits for the publish, not for the copy.
+        self._adds.flush(self.index, self._hold_index)
 
     def _hold_index(self) -> None:
-        """Before the first index write of a run: take the index's write lock and keep it
-        to the end of the run, so that a lookup sees all of the run's effect or none of it
-        (``BlendIndex.write_lock``; lock order directory -> index). Taken at the first
-        write, not at the start: verification waits from there to the end of the run (for
-        the steady state, a run of new content, that is its one ``add_many``)."""
+        """Before the first index write of a run that lookups can see: take the index's
+        writer and write locks and keep them to the end of the run, so that a lookup sees
+        all of the run's effect or none of it (``BlendIndex.write_lock``; lock order
+        directory -> index writer -> index write lock). Taken at the first such write, not
+        at the start: verification waits from there to the end of the run (for the steady
+        state, a run of new content, that is the publish of its one ``add_many``)."""
         if not self._holding and self.index is not None:
+            self.index.writer_lock.acquire()
             self.index.write_lock.acquire()
             self._holding = True
 
@@ -253,6 +257,7 @@ class IngestPath:
         if self._holding:
             self._holding = False
             self.index.write_lock.release()  # type: ignore[union-attr]
+            self.index.writer_lock.release()  # type: ignore[union-attr]
 
     def _apply_request(self, parsed: EventRequest) -> ApplyReport:
         applied = duplicates = stale = entries = 0

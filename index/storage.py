@@ -325,6 +325,11 @@ class TokenStore:
                 pass
         return _alloc_block(1 << self.shift, self.width)
 
+    @property
+    def addressable(self) -> int:
+        """Rows ``0..addressable-1`` have a block (``ensure`` adds blocks up to a need)."""
+        return len(self._py_blocks) << self.shift
+
     def ensure(self, rows: int) -> None:
         """Make rows ``0..rows-1`` addressable."""
         while len(self._py_blocks) << self.shift < rows:
