@@ -23,9 +23,10 @@ Invariants:
   not indexed (counted as ``collisions``) and never attached to the earlier entry.
 - Every content in the map has at least one occupant; every occupant at least one claim.
 
-Thread safety: one internal lock guards all state; the engine probe runs outside it (the
-slot array tolerates concurrent readers). Lock order: directory -> index; the index never
-calls back into its caller.
+Thread safety: a writer lock keeps writers one at a time and a write lock keeps readers
+out; bulk adds stage new contents under the first and publish them under the second (see
+``__init__``). The engine probe runs outside both (the slot array tolerates concurrent
+readers). Lock order: directory -> index writer -> index; the index never calls back.
 
 Memory: see ``storage.py``; about 100-200 bytes per chunk beyond its 1 KiB of tokens.
 Token rows handed out by ``add``/``add_many`` are shared, read-only views: a row is never

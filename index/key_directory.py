@@ -20,7 +20,7 @@ Each part captures and restores its own checkpoint state (``export_state`` /
 ``checkpoint.py`` encodes (the file format is unchanged by the split).
 
 Thread safety: one lock guards all state (:attr:`KeyDirectory.ingest_lock`); the index is
-called with it held (lock order: directory -> index; the index never calls back). Blend
+called with it held (lock order: directory -> index writer -> index; the index never calls back). Blend
 lookups call the index without the directory lock, so lookups do not wait for ingest.
 """
 
