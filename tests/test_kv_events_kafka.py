@@ -18,7 +18,8 @@ import zmq
 
 from blendmatch.index import KeyDirectory
 from blendmatch.service.sources.records import lmcache_record_value
-from kafka_support import Replica, create_topic, end_offsets, free_port, kafka_bootstrap, lmcache_producer  # noqa: F401
+from kafka_support import (Replica, create_topic, end_offsets, free_port, kafka_bootstrap,  # noqa: F401
+                           lmcache_producer, wait_for)
 from kv_events_support import WAIT_MS, Subscriber, Workload, expected_holders
 from vllm_events_support import kv_events_file, RELEASES
 
@@ -120,6 +121,10 @@ def test_replicas_publish_identical_streams_and_a_restart_continues_the_seq(kafk
         feeder.join()
         reps[1] = reps[1].restart()
         reps[1].wait_up()
+        # /healthz answers while the checkpoint is still being restored on the events thread
+        # (by design: alive, not ready); the seq it resumed from is known once it is restored
+        wait_for(lambda: "restoring checkpoint" not in reps[1].client.get("/readyz").json().get("reasons", []),
+                 30, "b's checkpoint restore")
         restarted_from = reps[1].client.get("/directory/stats").json()["blendmatch"]["kv_events"]
         want = end_offsets(positions)
         for r in reps:
