@@ -278,11 +278,13 @@ def _alloc_block(rows: int, width: int) -> np.ndarray:
     """An uninitialised ``(rows, width)`` uint32 block, its pages mapped before it is used.
 
     Rows are always written before they are read, so no zeroing is needed. The block is an
-    anonymous mapping advised for transparent huge pages and pre-faulted by one write per
-    page in a ``nogil`` kernel: a first touch by the ingest itself made it 2.3x slower.
-    Not ``MAP_POPULATE``: Python's ``mmap.mmap`` keeps the GIL through the system call, and
-    populating 8 MiB stopped every other thread (the lookup thread, the event loop) for
-    ~3 ms; faulting it in here takes 1.2-1.6 ms with huge pages, with no GIL held.
+    anonymous mapping pre-faulted by one write per page in a ``nogil`` kernel: a first
+    touch by the ingest itself made it 2.3x slower. Not ``MAP_POPULATE``: Python's
+    ``mmap.mmap`` keeps the GIL through the system call, and populating 8 MiB stopped every
+    other thread (the ingest, the lookup thread, the event loop) for 2.5-3.4 ms; faulted in
+    here it costs 3.3-4.7 ms of the blocks thread's CPU, with no GIL held. Not huge pages
+    either (``MADV_HUGEPAGE``): on this project's VMs a fresh huge page cost 4-6 ms to fault
+    in (18-26 ms per block), and ingest measured no faster with them.
     """
     nbytes = rows * width * 4
     if nbytes >= (1 << 20):
@@ -290,12 +292,6 @@ def _alloc_block(rows: int, width: int) -> np.ndarray:
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except (OSError, ValueError, AttributeError):
             return np.empty((rows, width), dtype=np.uint32)
-        advice = getattr(mmap, "MADV_HUGEPAGE", None)
-        if advice is not None:
-            try:
-                mm.madvise(advice)
-            except (OSError, ValueError):
-                pass  # huge pages are only faster, not needed
         _prefault(np.frombuffer(mm, dtype=np.uint8), _PAGE)
         return np.frombuffer(mm, dtype=np.uint32).reshape(rows, width)  # keeps mm alive
     return np.empty((rows, width), dtype=np.uint32)
