@@ -28,6 +28,10 @@ out; bulk adds stage new contents under the first and publish them under the sec
 ``__init__``). The engine probe runs outside both (the slot array tolerates concurrent
 readers). Lock order: directory -> index writer -> index; the index never calls back.
 
+Why one module of ~800 lines: every method works on the same private state (three column
+sets linked by row ids, the fingerprint map, the slot table, two locks) under one set of
+invariants; split by method, that state would be reached into from several modules.
+
 Memory: see ``storage.py``; about 100-200 bytes per chunk beyond its 1 KiB of tokens.
 Token rows handed out by ``add``/``add_many`` are shared, read-only views: a row is never
 reused while its content still has an occupant (hence a claim), so the key directory keeps
@@ -253,7 +257,8 @@ class BlendIndex:
     def _grow_ahead(self, staged: _Staged) -> _Staged:
         """Writer held: build now the fingerprint map and the slot table that publishing
         ``staged`` would grow under the write lock (a rehash and a refill of every live
-        fingerprint: 15-24 ms of the lock at 131-262k chunks, growing with the index), so
+        fingerprint: 4-10 ms of the lock at 131-262k chunks in process, up to 15 in the
+        service, growing with the index), so
         that the publish only swaps them in. Readers keep the current ones meanwhile; no
         other writer runs before the publish. The grown tables are the ones publishing
         would build: the same sizes, the same contents."""
@@ -261,8 +266,7 @@ class BlendIndex:
         fpmap = self._fpmap.grown(n)
         slots = None
         if self._slots.needs_rebuild(n):
-            live = self._c["occ"][: self._c.size] != _FREE  # staged rows included
-            slots = self._slots.build(self._c["fp"][: self._c.size][live])
+            slots = self._slots.build(self._live_fps())
         return staged._replace(fpmap=fpmap, slots=slots) if fpmap is not None or slots is not None else staged
 
     def _publish_part(self, staged: tuple[_Staged | None, np.ndarray], arr: np.ndarray, fps: np.ndarray,
@@ -312,8 +316,7 @@ class BlendIndex:
             size = self._slots.wanted_size(num_chunks)
             self._slots.floor_size = size
             if size > self._slots.size:
-                live = self._c["occ"][: self._c.size] != _FREE
-                self._slots_write(self._slots.rebuild, self._c["fp"][: self._c.size][live], size=size)
+                self._slots_write(self._slots.rebuild, self._live_fps(), size=size)
                 self._rebuilds += 1
 
     def remove_claim(self, tokens: Any, chunk_hash: bytes, ns: BlendNamespace) -> bool:
@@ -410,12 +413,13 @@ class BlendIndex:
     #: Probes of one ``match`` outside the lock before one under it (see ``_match``).
     PROBE_TRIES = 2
 
-    def _slots_write(self, fn: Any, *args: Any, **kw: Any) -> None:
-        """Run a slot-table write (insert or rebuild; lock held) between two increments of
-        ``_slot_writes``, so a concurrent probe can tell it may have missed slots."""
+    def _slots_write(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """Run a slot-table write (insert, rebuild or adopt; lock held) between two
+        increments of ``_slot_writes``, so a concurrent probe can tell it may have missed
+        slots. Returns what ``fn`` returns."""
         self._slot_writes += 1
         try:
-            fn(*args, **kw)
+            return fn(*args, **kw)
         finally:
             self._slot_writes += 1
 
@@ -520,8 +524,7 @@ class BlendIndex:
             self._collisions = int(doc["collisions"])
             self._rebuilds = int(doc["rebuilds"])
             self._slots.floor_size = int(doc["slots"]["floor_size"])
-            live = self._c["occ"][:c_size] != _FREE
-            self._slots_write(self._slots.rebuild, self._c["fp"][:c_size][live], size=int(doc["slots"]["size"]))
+            self._slots_write(self._slots.rebuild, self._live_fps(), size=int(doc["slots"]["size"]))
 
     def token_rows(self, rows: np.ndarray) -> list[np.ndarray]:
         """Read-only views of content rows ``rows`` (what ``add`` returned for them); used
@@ -627,11 +630,7 @@ class BlendIndex:
             self._fpmap.adopt(staged.fpmap)
         self._fpmap.insert(staged.fps, staged.rows)
         if staged.slots is not None:  # built with the staged fingerprints in it
-            self._slot_writes += 1
-            try:
-                retired += self._slots.adopt(staged.slots)
-            finally:
-                self._slot_writes += 1
+            retired += self._slots_write(self._slots.adopt, staged.slots)
             self._rebuilds += 1
         else:
             self._slots_write(self._slots.insert, staged.fps)
@@ -757,9 +756,14 @@ class BlendIndex:
 
     def _maybe_rebuild(self) -> None:
         if self._slots.needs_rebuild():
-            live = self._c["occ"][: self._c.size] != _FREE
-            self._slots_write(self._slots.rebuild, self._c["fp"][: self._c.size][live])
+            self._slots_write(self._slots.rebuild, self._live_fps())
             self._rebuilds += 1
+
+    def _live_fps(self) -> np.ndarray:
+        """The fingerprints of every content row in use (staged rows included): what a
+        slot table is rebuilt from."""
+        live = self._c["occ"][: self._c.size] != _FREE
+        return self._c["fp"][: self._c.size][live]
 
     def _memory_bytes_locked(self) -> int:
         # O(1): scraped by /metrics. The hash list by its length, not its capacity: the

@@ -178,8 +178,7 @@ class FingerprintMap:
         self.tombstones = 0
 
     def _alloc(self, capacity: int) -> None:
-        self.keys = np.zeros(capacity, dtype=np.uint64)
-        self.vals = np.full(capacity, EMPTY, dtype=np.int32)
+        self.keys, self.vals = _empty_map(capacity)
 
     @property
     def capacity(self) -> int:
@@ -254,10 +253,14 @@ class FingerprintMap:
         cap = 1024
         while cap * 2 < need * 3:
             cap *= 2
-        new_keys = np.zeros(cap, dtype=np.uint64)
-        new_vals = np.full(cap, EMPTY, dtype=np.int32)
+        new_keys, new_vals = _empty_map(cap)
         _fm_insert(new_keys, new_vals, cap - 1, keys, rows)
         return new_keys, new_vals
+
+
+def _empty_map(capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and values of an empty fingerprint map of ``capacity`` slots."""
+    return np.zeros(capacity, dtype=np.uint64), np.full(capacity, EMPTY, dtype=np.int32)
 
 
 #: The one thread that maps token blocks ahead of need (``TokenStore.prepare``); the page

@@ -102,7 +102,7 @@ def test_directory_runs_stage_before_their_hold(monkeypatch):
 
 def test_growth_is_built_before_the_hold(monkeypatch):
     """A publish that grows the fingerprint map or the slot table swaps in tables built
-    while staging (a refill of every live fingerprint: 15-24 ms of the write lock at
+    while staging (a refill of every live fingerprint: 4-10 ms of the write lock at
     131-262k chunks): built without the write lock, and the same state as an index whose
     every add grows under its lock."""
     from blendmatch.index.slots import SlotArray
