@@ -48,6 +48,7 @@ from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
 from .event_source import EventSource, build_event_source
 from .events_thread import EventsThread, GroupFn
+from .heap import release_free_heap
 from .metrics import ServiceMetrics
 from .reuse_metrics import ReuseMetrics
 from .upstream import Upstream
@@ -458,6 +459,20 @@ class ServiceContext:
         if self._ingested_since_freeze >= limit:
             self._ingested_since_freeze = 0
             gc.freeze()
+            if self.config.release_free_heap:
+                self._release_free_heap()
+
+    def _release_free_heap(self) -> None:
+        """Queue ``malloc_trim`` on the events thread (``heap.py``): between two runs, off the
+        event loop and with no lock held. Its answer is not awaited; a stopping service
+        skips it."""
+        events = self._events_thread
+        if events is None:
+            return
+        try:
+            events.submit(release_free_heap)
+        except RuntimeError:  # shut down meanwhile
+            pass
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a read that takes the directory lock off the event loop."""

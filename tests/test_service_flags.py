@@ -67,6 +67,13 @@ def test_gc_freeze_has_one_default():
     assert config_from_args(args).gc_freeze_ingest_bytes == 0
 
 
+def test_release_free_heap_is_on_unless_turned_off():
+    assert ServiceConfig().release_free_heap is True
+    p = _serve_parser()
+    assert config_from_args(p.parse_args(["--no-release-free-heap"])).release_free_heap is False
+    assert config_from_args(p.parse_args(["--release-free-heap"])).release_free_heap is True
+
+
 def test_bool_fields_become_flags_and_pairs():
     p = _serve_parser()
     assert config_from_args(p.parse_args(["--disable-blend-lookup"])).enable_blend_lookup is False
