@@ -1,8 +1,9 @@
 """Where the ``POST /events`` ceiling is: the real server with its events thread cut short.
 
 Question answered: "with the same posters on the same cores, how many entries per second
-would the server take if applying cost nothing, and if decoding cost nothing too?" (issue
-28, item 5: the measured floor). Three ``blendmatch serve`` processes are spawned in turn,
+would the server take if applying cost nothing, and if decoding cost nothing too; and what
+does its events thread's work cost with no server around it?" (issue 28, item 5: the
+measured floor). Three ``blendmatch serve`` processes are spawned in turn,
 alternating rounds, each driven by ``loadtest``'s posters (``posters.post_loop``: 4
 connections posting back to back, every entry a new chunk):
 
@@ -11,7 +12,13 @@ connections posting back to back, every entry a new chunk):
   prepare thread does not split large bodies);
 - ``decode``: the same, decoding and validating each body as the real one does
   (``event_source._decode``: the entries pass, pydantic-core) and then not applying it;
-- ``full``: the real server, unchanged.
+- ``full``: the real server, unchanged;
+- ``alone``: no server and no posters: a fresh interpreter runs the events thread's own
+  work (``event_source.decode_and_apply_run``) on the same bodies, grouped into runs as the
+  events thread groups what 4 posters can queue (bounded by its ``max_run_bytes``), with
+  the service's GC freeze and free-heap release every ``--gc-freeze-ingest-bytes``; only
+  the calls are timed (the bodies are made between them). Its ``rest`` is that thread's
+  CPU per entry: set beside ``full``'s, what the same work costs inside the server.
 
 Cutting the events thread short is done in the spawned process only (``_serve_stage``
 replaces ``event_source.decode_and_apply_run`` before the CLI starts); nothing in the
@@ -39,7 +46,8 @@ from .posters import post_loop
 
 __all__ = ["STAGES", "main", "measure", "thread_cpu"]
 
-STAGES = ("http", "decode", "full")
+STAGES = ("http", "decode", "full", "alone")
+SERVER_STAGES = STAGES[:3]  # the stages that spawn a server
 
 
 def _serve_stage(stage: str, argv: list[str]) -> int:  # pragma: no cover - runs in the spawned server
@@ -81,7 +89,70 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _run_alone(batch: int, posters: int, duration: float, first_id: int) -> dict[str, Any]:  # pragma: no cover - runs in the spawned interpreter
+    """Stage ``alone`` (see the module docstring), in this interpreter."""
+    import gc
+    import inspect
+    import time
+
+    from blendmatch.index import KeyDirectory
+    from blendmatch.service.config import ServiceConfig
+    from blendmatch.service.event_source import decode_and_apply_run
+    from blendmatch.service.events_thread import EventsThread
+    from blendmatch.service.heap import release_free_heap
+
+    from .posters import StoreBodies
+
+    config = ServiceConfig()
+    directory = KeyDirectory()
+    directory.enable_blend_lookup(chunk_size=256, probe_stride=1, engine="cpu")
+    makers = [StoreBodies("127.0.0.1", f"alone-{k}", 256, first_id + k * (1 << 36), seed=k) for k in range(posters)]
+    max_run_bytes = inspect.signature(EventsThread.__init__).parameters["max_run_bytes"].default
+    gc.collect()
+    gc.freeze()
+    since_freeze = entries = 0
+    cpu = wall = 0.0
+    warm_until = time.perf_counter() + min(2.0, duration)
+    k = 0
+    while wall < duration:
+        run: list[tuple[bytes, None]] = []
+        size = 0
+        while len(run) < posters:  # what the posters can have queued, within the events thread's bound
+            body = makers[k % posters].next(batch).split(b"\r\n\r\n", 1)[1]
+            k += 1
+            if run and size + len(body) > max_run_bytes:
+                break
+            run.append((body, None))
+            size += len(body)
+        c0, t0 = time.thread_time(), time.perf_counter()
+        for report in decode_and_apply_run(directory, run):
+            if isinstance(report, Exception):
+                raise report
+        since_freeze += size
+        if since_freeze >= config.gc_freeze_ingest_bytes:  # the service's policy (ServiceContext.note_ingested)
+            since_freeze = 0
+            gc.freeze()
+            if config.release_free_heap:
+                release_free_heap()
+        if t0 >= warm_until:
+            cpu += time.thread_time() - c0
+            wall += time.perf_counter() - t0
+            entries += batch * len(run)
+    n = max(1, entries)
+    return {"stage": "alone", "batch": batch, "posters": posters, "entries_per_s": entries / wall, "errors": 0,
+            "loop_us": 0.0, "rest_us": 1e6 * cpu / n, "posters_us": 0.0, "load": os.getloadavg()[0]}
+
+
 def _one(stage: str, batch: int, posters: int, duration: float, first_id: int) -> dict[str, Any]:
+    if stage == "alone":
+        import subprocess
+
+        got = subprocess.run([sys.executable, "-m", "blendmatch.bench.floor_stages", "--alone", str(batch),
+                              str(posters), str(duration), str(first_id)],
+                             capture_output=True, text=True, timeout=600 + 10 * duration)
+        if got.returncode != 0:
+            raise RuntimeError(f"stage alone failed: {got.stderr[-2000:]}")
+        return json.loads(got.stdout.strip().splitlines()[-1])
     port = free_port()
     cmd = [sys.executable, "-m", "blendmatch.bench.floor_stages", "--serve-stage", stage, "--",
            "--host", "127.0.0.1", "--port", str(port), "--engine", "cpu", "--log-level", "warning"]
@@ -118,9 +189,13 @@ def measure(batches: Sequence[int], posters: int, duration: float, rounds: int,
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--alone"]:  # the spawned interpreter of stage alone
+        batch, posters, first_id = int(argv[1]), int(argv[2]), int(argv[4])
+        print(json.dumps(_run_alone(batch, posters, float(argv[3]), first_id)))
+        return 0
     if argv[:1] == ["--serve-stage"]:  # the spawned server
-        if len(argv) < 2 or argv[1] not in STAGES:
-            raise SystemExit(f"--serve-stage takes one of {', '.join(STAGES)}")
+        if len(argv) < 2 or argv[1] not in SERVER_STAGES:
+            raise SystemExit(f"--serve-stage takes one of {', '.join(SERVER_STAGES)}")
         return _serve_stage(argv[1], argv[3:] if argv[2:3] == ["--"] else argv[2:])
     p = argparse.ArgumentParser(prog="python -m blendmatch.bench.floor_stages",
                                 description=__doc__.split("\n\n")[1])

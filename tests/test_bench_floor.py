@@ -34,6 +34,17 @@ def test_stages_cut_the_real_server_short_and_count_every_post():
         assert r["loop_us"] > 0 and r["rest_us"] >= 0 and r["posters_us"] > 0
 
 
+def test_stage_alone_runs_the_events_threads_work_without_a_server():
+    """Stage ``alone``: a fresh interpreter applies the posters' bodies in runs, no server; its
+    CPU per entry is the events thread's alone (no loop, no posters)."""
+    from blendmatch.bench import floor_stages
+
+    (row,) = floor_stages.measure([64], posters=4, duration=0.5, rounds=1, stages=("alone",))
+    assert row["stage"] == "alone" and row["batch"] == 64 and row["errors"] == 0
+    assert row["entries_per_s"] > 0 and row["rest_us"] > 0
+    assert row["loop_us"] == 0 and row["posters_us"] == 0
+
+
 def test_stages_cli_rejects_bad_arguments(capsys):
     import pytest
 
@@ -44,6 +55,8 @@ def test_stages_cli_rejects_bad_arguments(capsys):
     assert "--stages takes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         floor_stages.main(["--serve-stage", "nothing"])
+    with pytest.raises(SystemExit):
+        floor_stages.main(["--serve-stage", "alone"])  # not a server
 
 
 _needs_wrk = __import__("pytest").mark.skipif(__import__("shutil").which("wrk") is None,
