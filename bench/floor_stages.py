@@ -18,7 +18,10 @@ connections posting back to back, every entry a new chunk):
   events thread groups what 4 posters can queue (bounded by its ``max_run_bytes``), with
   the service's GC freeze and free-heap release every ``--gc-freeze-ingest-bytes``; only
   the calls are timed (the bodies are made between them). Its ``rest`` is that thread's
-  CPU per entry: set beside ``full``'s, what the same work costs inside the server.
+  CPU per entry: set beside ``full``'s, what the same work costs inside the server. One
+  thread does all of it, the entries pass included, which the server runs on its prepare
+  thread for bodies of 256 KiB and more (``event_source.PREPARE_MIN_BYTES``): at 1,000-entry
+  bodies ``alone`` is the work's cost, not the server's ceiling.
 
 Cutting the events thread short is done in the spawned process only (``_serve_stage``
 replaces ``event_source.decode_and_apply_run`` before the CLI starts); nothing in the
