@@ -95,14 +95,13 @@ def thread_cpu(pid: int) -> dict[str, float]:
 def _run_alone(batch: int, posters: int, duration: float, first_id: int) -> dict[str, Any]:  # pragma: no cover - runs in the spawned interpreter
     """Stage ``alone`` (see the module docstring), in this interpreter."""
     import gc
-    import inspect
     import time
 
     from blendmatch.index import KeyDirectory
     from blendmatch.service.config import ServiceConfig
     from blendmatch.service.event_source import decode_and_apply_run
-    from blendmatch.service.events_thread import EventsThread
-    from blendmatch.service.heap import release_free_heap
+    from blendmatch.service.events_thread import MAX_RUN_BYTES
+    from blendmatch.service.heap import AfterIngest
 
     from .posters import StoreBodies
 
@@ -110,10 +109,10 @@ def _run_alone(batch: int, posters: int, duration: float, first_id: int) -> dict
     directory = KeyDirectory()
     directory.enable_blend_lookup(chunk_size=256, probe_stride=1, engine="cpu")
     makers = [StoreBodies("127.0.0.1", f"alone-{k}", 256, first_id + k * (1 << 36), seed=k) for k in range(posters)]
-    max_run_bytes = inspect.signature(EventsThread.__init__).parameters["max_run_bytes"].default
+    after_ingest = AfterIngest(config.gc_freeze_ingest_bytes, config.release_free_heap)  # the service's rule
     gc.collect()
     gc.freeze()
-    since_freeze = entries = 0
+    entries = 0
     cpu = wall = 0.0
     warm_until = time.perf_counter() + min(2.0, duration)
     k = 0
@@ -123,7 +122,7 @@ def _run_alone(batch: int, posters: int, duration: float, first_id: int) -> dict
         while len(run) < posters:  # what the posters can have queued, within the events thread's bound
             body = makers[k % posters].next(batch).split(b"\r\n\r\n", 1)[1]
             k += 1
-            if run and size + len(body) > max_run_bytes:
+            if run and size + len(body) > MAX_RUN_BYTES:
                 break
             run.append((body, None))
             size += len(body)
@@ -131,12 +130,7 @@ def _run_alone(batch: int, posters: int, duration: float, first_id: int) -> dict
         for report in decode_and_apply_run(directory, run):
             if isinstance(report, Exception):
                 raise report
-        since_freeze += size
-        if since_freeze >= config.gc_freeze_ingest_bytes:  # the service's policy (ServiceContext.note_ingested)
-            since_freeze = 0
-            gc.freeze()
-            if config.release_free_heap:
-                release_free_heap()
+        after_ingest.note(size)
         if t0 >= warm_until:
             cpu += time.thread_time() - c0
             wall += time.perf_counter() - t0
@@ -193,8 +187,13 @@ def measure(batches: Sequence[int], posters: int, duration: float, rounds: int,
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--alone"]:  # the spawned interpreter of stage alone
-        batch, posters, first_id = int(argv[1]), int(argv[2]), int(argv[4])
-        print(json.dumps(_run_alone(batch, posters, float(argv[3]), first_id)))
+        try:
+            batch, posters, duration, first_id = int(argv[1]), int(argv[2]), float(argv[3]), int(argv[4])
+        except (IndexError, ValueError):
+            raise SystemExit("--alone takes BATCH POSTERS DURATION FIRST_ID") from None
+        if batch < 1 or posters < 1 or duration <= 0:
+            raise SystemExit("--alone: BATCH, POSTERS and DURATION must be positive")
+        print(json.dumps(_run_alone(batch, posters, duration, first_id)))
         return 0
     if argv[:1] == ["--serve-stage"]:  # the spawned server
         if len(argv) < 2 or argv[1] not in SERVER_STAGES:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import time
@@ -48,7 +47,7 @@ from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
 from .event_source import EventSource, build_event_source
 from .events_thread import EventsThread, GroupFn
-from .heap import release_free_heap
+from .heap import AfterIngest
 from .metrics import ServiceMetrics
 from .reuse_metrics import ReuseMetrics
 from .upstream import Upstream
@@ -201,7 +200,8 @@ class ServiceContext:
                                      queue_size=config.upstream_queue_size,
                                      queue_bytes=config.upstream_queue_bytes, registry=self.metrics.registry,
                                      registration_of=self.registration_of)
-        self._ingested_since_freeze = 0
+        self._after_ingest = AfterIngest(config.gc_freeze_ingest_bytes, config.release_free_heap,
+                                         self._on_events_thread)
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ lifecycle
@@ -441,36 +441,19 @@ class ServiceContext:
                 log.exception("registry sweep failed; retrying in %g s", interval)
 
     def note_ingested(self, nbytes: int) -> None:
-        """Count event-body bytes; past ``config.gc_freeze_ingest_bytes``, ``gc.freeze()``.
+        """Count event-body bytes: past ``config.gc_freeze_ingest_bytes``, ``gc.freeze()`` and
+        (``config.release_free_heap``) the free heap back to the OS on the events thread
+        (``heap.AfterIngest``: the rule and why)."""
+        self._after_ingest.note(nbytes)
 
-        Why: the directory keeps a few Python objects per stored chunk, and CPython's full
-        collection walks every tracked object: measured here, 264k objects (100k stored
-        chunks) cost a 160 ms full pass, stalling every thread. Freezing moves the live
-        objects out of the collector's sight (O(1)); they are still freed by reference
-        counting when the directory drops them. Safe because the directory's structures are
-        acyclic (a store-then-delete cycle of 5,000 entries left 0 unreachable objects,
-        ``tests/test_service_gc.py``); objects that another thread happens to hold at the
-        instant of a freeze and that later die in a cycle are not reclaimed, a bounded cost.
-        """
-        limit = self.config.gc_freeze_ingest_bytes
-        if not limit:
-            return
-        self._ingested_since_freeze += nbytes
-        if self._ingested_since_freeze >= limit:
-            self._ingested_since_freeze = 0
-            gc.freeze()
-            if self.config.release_free_heap:
-                self._release_free_heap()
-
-    def _release_free_heap(self) -> None:
-        """Queue ``malloc_trim`` on the events thread (``heap.py``): between two runs, off the
-        event loop and with no lock held. Its answer is not awaited; a stopping service
-        skips it."""
+    def _on_events_thread(self, fn: Callable[[], Any]) -> None:
+        """Queue ``fn`` on the events thread, between two runs and with no lock held; its
+        answer is not awaited, and a stopping service skips it."""
         events = self._events_thread
         if events is None:
             return
         try:
-            events.submit(release_free_heap)
+            events.submit(fn)
         except RuntimeError:  # shut down meanwhile
             pass
 

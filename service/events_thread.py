@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-__all__ = ["EventsThread", "GroupFn"]
+__all__ = ["MAX_RUN_BYTES", "EventsThread", "GroupFn"]
 
 T = TypeVar("T")
 
@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 #: ``group_fn(list of argument tuples) -> list of results``, one per task, in order; an
 #: ``Exception`` in the list is raised to that task's caller.
 GroupFn = Callable[[list[tuple[Any, ...]]], Sequence[Any]]
+
+#: Bytes of bodies one run takes at most (about one 1,000-entry body; see the module docstring).
+MAX_RUN_BYTES = 1 << 20
 
 
 @dataclass
@@ -69,7 +72,7 @@ class _Task:
 class EventsThread:
     """One worker thread fed from one FIFO queue (see the module docstring)."""
 
-    def __init__(self, *, max_run: int = 16, max_run_bytes: int = 1 << 20,
+    def __init__(self, *, max_run: int = 16, max_run_bytes: int = MAX_RUN_BYTES,
                  thread_name_prefix: str = "blendmatch-events") -> None:
         if max_run < 1 or max_run_bytes < 1:
             raise ValueError("max_run and max_run_bytes must be >= 1")
