@@ -111,6 +111,34 @@ def lmcache_producer(bootstrap: str):
     return p
 
 
+class _Diagnosed(httpx.HTTPTransport):
+    """A replica's transport: a request that fails after the replica came up says whether
+    the process is still alive and shows its log's tail (a CI failure reads "server
+    disconnected" otherwise, with nothing to tell a crash from a closed connection)."""
+
+    def __init__(self, replica: "Replica") -> None:
+        super().__init__()
+        self.replica = replica
+        self.up = False
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            got = super().handle_request(request)
+        except httpx.TransportError as exc:
+            if not self.up or isinstance(exc, httpx.ConnectError):  # not up (yet or any more): a poll's answer
+                raise
+            r = self.replica
+            try:  # a dying process: let it go and its log be written
+                r.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            state = "alive" if r.alive() else f"exited {r.proc.returncode}"
+            raise type(exc)(f"replica {r.replica_id} {state} after {request.method} {request.url.path} failed: {exc}; "
+                            f"its log ends:\n{r.tail()}", request=request) from exc
+        self.up = True
+        return got
+
+
 class Replica:
     """One ``blendmatch serve --event-transport kafka`` subprocess."""
 
@@ -129,7 +157,7 @@ class Replica:
              "--replica-id", replica_id, "--kafka-session-timeout-ms", "2000", "--checkpoint-path", ckpt,
              "--log-level", "info", *extra],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        self.client = httpx.Client(base_url=self.url, timeout=30)
+        self.client = httpx.Client(base_url=self.url, timeout=30, transport=_Diagnosed(self))
 
     def restart(self) -> "Replica":
         bootstrap, topic, replica_id, group, ckpt, extra, chunk_size, log_path = self.args
