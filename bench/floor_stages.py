@@ -21,7 +21,11 @@ connections posting back to back, every entry a new chunk):
   CPU per entry: set beside ``full``'s, what the same work costs inside the server. One
   thread does all of it, the entries pass included, which the server runs on its prepare
   thread for bodies of 256 KiB and more (``event_source.PREPARE_MIN_BYTES``): at 1,000-entry
-  bodies ``alone`` is the work's cost, not the server's ceiling.
+  bodies ``alone`` is the work's cost, not the server's ceiling. With ``--probe-gil`` a
+  thread asks for the GIL every millisecond, as the lookup thread would, and the stage
+  reports its longest waits with the keys stored by then: the work's holds of the GIL in
+  one piece (a directory dict's or set's resize grows with the keys), which a lookup
+  would wait out whole.
 
 Cutting the events thread short is done in the spawned process only (``_serve_stage``
 replaces ``event_source.decode_and_apply_run`` before the CLI starts); nothing in the
@@ -32,7 +36,7 @@ server; ``decode`` minus ``http`` what decoding costs; ``http`` is what the tran
 framework and the hand-offs cost (``bench/floor.py`` is the bare-socket floor below it).
 
 Run: ``python -m blendmatch.bench.floor_stages [--batches 64,1000] [--rounds 3]
-[--duration 5] [--json]``.
+[--duration 5] [--stages S[,S]] [--probe-gil] [--json]``.
 """
 
 from __future__ import annotations
@@ -92,9 +96,27 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def _run_alone(batch: int, posters: int, duration: float, first_id: int) -> dict[str, Any]:  # pragma: no cover - runs in the spawned interpreter
-    """Stage ``alone`` (see the module docstring), in this interpreter."""
+def _gil_probe(applied: list[int], gaps: list[tuple[float, int]], stop: Any, every: float = 0.001) -> None:
+    """A thread that asks for the GIL every ``every`` s, as a lookup thread would, and notes
+    each wait over 10 ms with the keys applied by then: how long the work held the GIL in
+    one piece (a Python dict's or set's resize, a collection), what a lookup would wait."""
+    import time
+
+    last = time.perf_counter()
+    while not stop.is_set():
+        time.sleep(every)
+        now = time.perf_counter()
+        if now - last - every > 0.01:
+            gaps.append((now - last - every, applied[0]))
+        last = now
+
+
+def _run_alone(batch: int, posters: int, duration: float, first_id: int,
+               probe: bool = False) -> dict[str, Any]:  # pragma: no cover - runs in the spawned interpreter
+    """Stage ``alone`` (see the module docstring), in this interpreter; with ``probe`` a
+    thread notes the GIL's longest holds (:func:`_gil_probe`)."""
     import gc
+    import threading
     import time
 
     from blendmatch.index import KeyDirectory
@@ -114,38 +136,48 @@ def _run_alone(batch: int, posters: int, duration: float, first_id: int) -> dict
     gc.freeze()
     entries = 0
     cpu = wall = 0.0
+    applied, gaps, stop = [0], [], threading.Event()
+    if probe:
+        threading.Thread(target=_gil_probe, args=(applied, gaps, stop), daemon=True).start()
     warm_until = time.perf_counter() + min(2.0, duration)
     k = 0
+    held: bytes | None = None  # a body that did not fit the last run: the next run's first
     while wall < duration:
         run: list[tuple[bytes, None]] = []
         size = 0
         while len(run) < posters:  # what the posters can have queued, within the events thread's bound
-            body = makers[k % posters].next(batch).split(b"\r\n\r\n", 1)[1]
-            k += 1
-            if run and size + len(body) > MAX_RUN_BYTES:
+            if held is None:
+                held = makers[k % posters].next(batch).split(b"\r\n\r\n", 1)[1]
+                k += 1
+            if run and size + len(held) > MAX_RUN_BYTES:
                 break
-            run.append((body, None))
-            size += len(body)
+            run.append((held, None))
+            size += len(held)
+            held = None
         c0, t0 = time.thread_time(), time.perf_counter()
         for report in decode_and_apply_run(directory, run):
             if isinstance(report, Exception):
                 raise report
         after_ingest.note(size)
+        applied[0] += batch * len(run)
         if t0 >= warm_until:
             cpu += time.thread_time() - c0
             wall += time.perf_counter() - t0
             entries += batch * len(run)
+    stop.set()
     n = max(1, entries)
     return {"stage": "alone", "batch": batch, "posters": posters, "entries_per_s": entries / wall, "errors": 0,
-            "loop_us": 0.0, "rest_us": 1e6 * cpu / n, "posters_us": 0.0, "load": os.getloadavg()[0]}
+            "loop_us": 0.0, "rest_us": 1e6 * cpu / n, "posters_us": 0.0, "load": os.getloadavg()[0],
+            **({"gil_holds": [(round(1e3 * g, 1), keys) for g, keys in sorted(gaps, reverse=True)[:8]]}
+               if probe else {})}
 
 
-def _one(stage: str, batch: int, posters: int, duration: float, first_id: int) -> dict[str, Any]:
+def _one(stage: str, batch: int, posters: int, duration: float, first_id: int, probe: bool = False) -> dict[str, Any]:
     if stage == "alone":
         import subprocess
 
         got = subprocess.run([sys.executable, "-m", "blendmatch.bench.floor_stages", "--alone", str(batch),
-                              str(posters), str(duration), str(first_id)],
+                              str(posters), str(duration), str(first_id), *(["probe"] if probe else [])],
                              capture_output=True, text=True, timeout=600 + 10 * duration)
         if got.returncode != 0:
             raise RuntimeError(f"stage alone failed: {got.stderr[-2000:]}")
@@ -171,14 +203,15 @@ def _one(stage: str, batch: int, posters: int, duration: float, first_id: int) -
 
 
 def measure(batches: Sequence[int], posters: int, duration: float, rounds: int,
-            stages: Sequence[str] = STAGES) -> list[dict[str, Any]]:
-    """Every stage at every batch size, ``rounds`` times, stages alternating within a round."""
+            stages: Sequence[str] = STAGES, probe: bool = False) -> list[dict[str, Any]]:
+    """Every stage at every batch size, ``rounds`` times, stages alternating within a round;
+    ``probe``: stage ``alone`` notes the GIL's longest holds too."""
     rows = []
     for b, batch in enumerate(batches):
         for r in range(rounds):
             for s, stage in enumerate(stages):
                 first = ((b * rounds + r) * len(stages) + s + 1) << 44
-                rows.append({"round": r, **_one(stage, batch, posters, duration, first)})
+                rows.append({"round": r, **_one(stage, batch, posters, duration, first, probe)})
                 print(f"  {stage} {batch}-entry round {r}: {rows[-1]['entries_per_s']:,.0f} entries/s",
                       file=sys.stderr, flush=True)
     return rows
@@ -190,10 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             batch, posters, duration, first_id = int(argv[1]), int(argv[2]), float(argv[3]), int(argv[4])
         except (IndexError, ValueError):
-            raise SystemExit("--alone takes BATCH POSTERS DURATION FIRST_ID") from None
-        if batch < 1 or posters < 1 or duration <= 0:
-            raise SystemExit("--alone: BATCH, POSTERS and DURATION must be positive")
-        print(json.dumps(_run_alone(batch, posters, duration, first_id)))
+            raise SystemExit("--alone takes BATCH POSTERS DURATION FIRST_ID [probe]") from None
+        if batch < 1 or posters < 1 or duration <= 0 or argv[5:] not in ([], ["probe"]):
+            raise SystemExit("--alone: BATCH, POSTERS and DURATION must be positive, then at most 'probe'")
+        print(json.dumps(_run_alone(batch, posters, duration, first_id, probe=argv[5:] == ["probe"])))
         return 0
     if argv[:1] == ["--serve-stage"]:  # the spawned server
         if len(argv) < 2 or argv[1] not in SERVER_STAGES:
@@ -206,13 +239,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per stage (after 2 s of warm-up)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stages", type=lambda v: v.split(","), default=list(STAGES), metavar="S[,S]")
+    p.add_argument("--probe-gil", action="store_true",
+                   help="stage alone: a thread asking for the GIL every ms notes its waits over 10 ms (the "
+                        "longest holds in one piece, with the keys stored by then)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.posters < 1 or args.duration <= 0 or args.rounds < 1 or min(args.batches) < 1:
         p.error("--posters, --duration, --rounds and every batch must be positive")
     if not set(args.stages) <= set(STAGES):
         p.error(f"--stages takes {', '.join(STAGES)}")
-    rows = measure(args.batches, args.posters, args.duration, args.rounds, args.stages)
+    rows = measure(args.batches, args.posters, args.duration, args.rounds, args.stages, args.probe_gil)
     if args.json:
         print(json.dumps({"stages": rows}))
         return 0
@@ -221,6 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['stage']} | {r['batch']} | {r['round']} | {r['entries_per_s']:,.0f} | {r['loop_us']:.1f} + "
               f"{r['rest_us']:.1f} | {r['posters_us']:.1f} | {r['load']:.2f} |")
+    for r in rows:
+        if "gil_holds" in r:
+            holds = ", ".join(f"{ms:g} ms at {keys:,} keys" for ms, keys in r["gil_holds"]) or "none over 10 ms"
+            print(f"alone {r['batch']}-entry round {r['round']}: longest GIL holds: {holds}")
     return 0
 
 

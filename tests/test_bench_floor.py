@@ -45,6 +45,53 @@ def test_stage_alone_runs_the_events_threads_work_without_a_server():
     assert row["loop_us"] == 0 and row["posters_us"] == 0
 
 
+def test_stage_alone_applies_every_posters_bodies_in_order(monkeypatch):
+    """A body that does not fit a run opens the next one: every poster's bodies are applied,
+    in order (before, at 1,000-entry bodies, every other poster's were made and dropped)."""
+    import re
+
+    from blendmatch.bench import floor_stages
+    from blendmatch.service import event_source, events_thread
+
+    real, seen = event_source.decode_and_apply_run, []
+
+    def recording(directory, run, *args, **kwargs):
+        for body, _ in run:
+            m = re.search(rb'"instance_id":"([^"]+)","incarnation":0,"seq":(\d+)', body)
+            seen.append((m.group(1).decode(), int(m.group(2))))
+        return real(directory, run, *args, **kwargs)
+
+    monkeypatch.setattr(event_source, "decode_and_apply_run", recording)
+    monkeypatch.setattr(events_thread, "MAX_RUN_BYTES", 150_000)  # one 64-entry body (~107 KB) per run
+    floor_stages._run_alone(64, 4, 0.3, 1 << 44)
+    assert len(seen) >= 8
+    for k, (instance, seq) in enumerate(seen):
+        assert (instance, seq) == (f"alone-{k % 4}", k // 4 + 1), seen[:k + 1]
+
+
+def test_stage_alone_probe_notes_a_long_gil_hold_with_the_keys_by_then(monkeypatch):
+    """``--probe-gil``: a hold of the GIL in one piece (a C loop that never lets it go) during
+    the third run is noted, over 10 ms, with the keys the runs before it stored."""
+    from blendmatch.bench import floor_stages
+    from blendmatch.service import event_source
+
+    real, calls = event_source.decode_and_apply_run, [0]
+
+    def holding(directory, run, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            sum(range(20_000_000))  # keeps the GIL throughout (no eval-loop check inside)
+        return real(directory, run, *args, **kwargs)
+
+    monkeypatch.setattr(event_source, "decode_and_apply_run", holding)
+    row = floor_stages._run_alone(64, 4, 0.3, 1 << 44, probe=True)
+    holds = row["gil_holds"]
+    assert holds == sorted(holds, reverse=True)
+    # (the first runs may hold it too: compiling or loading the kernels)
+    assert any(ms > 10 and keys in (2 * 4 * 64, 3 * 4 * 64) for ms, keys in holds), holds
+    assert "gil_holds" not in floor_stages._run_alone(64, 4, 0.1, 2 << 44)
+
+
 def test_stages_cli_rejects_bad_arguments(capsys):
     import pytest
 
@@ -57,6 +104,8 @@ def test_stages_cli_rejects_bad_arguments(capsys):
         floor_stages.main(["--serve-stage", "nothing"])
     with pytest.raises(SystemExit):
         floor_stages.main(["--serve-stage", "alone"])  # not a server
+    with pytest.raises(SystemExit, match="at most 'probe'"):
+        floor_stages.main(["--alone", "64", "4", "1", "0", "other"])
 
 
 _needs_wrk = __import__("pytest").mark.skipif(__import__("shutil").which("wrk") is None,
