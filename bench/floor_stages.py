@@ -25,7 +25,8 @@ connections posting back to back, every entry a new chunk):
   thread asks for the GIL every millisecond, as the lookup thread would, and the stage
   reports its longest waits with the keys stored by then: the work's holds of the GIL in
   one piece (a directory dict's or set's resize grows with the keys), which a lookup
-  would wait out whole.
+  would wait out whole; and its longest runs, the events thread's stalls (those and the
+  index's growths).
 
 Cutting the events thread short is done in the spawned process only (``_serve_stage``
 replaces ``event_source.decode_and_apply_run`` before the CLI starts); nothing in the
@@ -106,7 +107,7 @@ def _gil_probe(applied: list[int], gaps: list[tuple[float, int]], stop: Any, eve
     while not stop.is_set():
         time.sleep(every)
         now = time.perf_counter()
-        if now - last - every > 0.01:
+        if now - last - every > 0.01 and applied[0]:  # (the first run loads or compiles the kernels)
             gaps.append((now - last - every, applied[0]))
         last = now
 
@@ -114,7 +115,8 @@ def _gil_probe(applied: list[int], gaps: list[tuple[float, int]], stop: Any, eve
 def _run_alone(batch: int, posters: int, duration: float, first_id: int,
                probe: bool = False) -> dict[str, Any]:  # pragma: no cover - runs in the spawned interpreter
     """Stage ``alone`` (see the module docstring), in this interpreter; with ``probe`` a
-    thread notes the GIL's longest holds (:func:`_gil_probe`)."""
+    thread notes the GIL's longest holds (:func:`_gil_probe`), and the longest runs (the
+    events thread's stalls: a growth, a resize) are reported with them."""
     import gc
     import threading
     import time
@@ -137,6 +139,7 @@ def _run_alone(batch: int, posters: int, duration: float, first_id: int,
     entries = 0
     cpu = wall = 0.0
     applied, gaps, stop = [0], [], threading.Event()
+    runs: list[tuple[float, int]] = []  # (seconds, keys before it) of each run: the events thread's stalls
     if probe:
         threading.Thread(target=_gil_probe, args=(applied, gaps, stop), daemon=True).start()
     warm_until = time.perf_counter() + min(2.0, duration)
@@ -159,6 +162,8 @@ def _run_alone(batch: int, posters: int, duration: float, first_id: int,
             if isinstance(report, Exception):
                 raise report
         after_ingest.note(size)
+        if applied[0]:  # (the first run loads or compiles the kernels)
+            runs.append((time.perf_counter() - t0, applied[0]))
         applied[0] += batch * len(run)
         if t0 >= warm_until:
             cpu += time.thread_time() - c0
@@ -168,7 +173,8 @@ def _run_alone(batch: int, posters: int, duration: float, first_id: int,
     n = max(1, entries)
     return {"stage": "alone", "batch": batch, "posters": posters, "entries_per_s": entries / wall, "errors": 0,
             "loop_us": 0.0, "rest_us": 1e6 * cpu / n, "posters_us": 0.0, "load": os.getloadavg()[0],
-            **({"gil_holds": [(round(1e3 * g, 1), keys) for g, keys in sorted(gaps, reverse=True)[:8]]}
+            **({"gil_holds": [(round(1e3 * g, 1), keys) for g, keys in sorted(gaps, reverse=True)[:8]],
+                "longest_runs": [(round(1e3 * d, 1), keys) for d, keys in sorted(runs, reverse=True)[:8]]}
                if probe else {})}
 
 
@@ -261,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "gil_holds" in r:
             holds = ", ".join(f"{ms:g} ms at {keys:,} keys" for ms, keys in r["gil_holds"]) or "none over 10 ms"
             print(f"alone {r['batch']}-entry round {r['round']}: longest GIL holds: {holds}")
+            longest = ", ".join(f"{ms:g} ms at {keys:,} keys" for ms, keys in r["longest_runs"])
+            print(f"alone {r['batch']}-entry round {r['round']}: longest runs: {longest}")
     return 0
 
 

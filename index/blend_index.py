@@ -267,6 +267,8 @@ class BlendIndex:
         slots = None
         if self._slots.needs_rebuild(n):
             slots = self._slots.build(self._live_fps())
+        else:
+            self._slots.prepare_growth(n)
         return staged._replace(fpmap=fpmap, slots=slots) if fpmap is not None or slots is not None else staged
 
     def _publish_part(self, staged: tuple[_Staged | None, np.ndarray], arr: np.ndarray, fps: np.ndarray,

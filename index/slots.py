@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import mmap
 import threading
-from typing import Literal, NamedTuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal, NamedTuple, Optional
 
 import numba
 import numpy as np
@@ -46,6 +47,8 @@ import numpy as np
 from blendmatch.gpu import SlotChanges
 from blendmatch.gpu.fingerprint import mix64_scalar, tag_of_mixed
 from blendmatch.gpu.occupancy import clear_bit, occupancy_words, set_bit
+
+from .storage import prefault
 
 __all__ = ["FilterMode", "RebuiltTable", "SlotArray", "SlotChanges", "MIN_TABLE_SIZE", "LOAD_RATIO"]
 
@@ -83,6 +86,33 @@ def _alloc_table(size: int) -> np.ndarray:
     buf = np.frombuffer(mm, dtype=np.uint8)
     start = (-buf.ctypes.data) % _HUGE_PAGE
     return buf[start:start + size]
+
+
+#: The one thread that maps and faults in a table ahead of its growth
+#: (:meth:`SlotArray.prepare_growth`). Not the token blocks' thread: a 64 MiB table took
+#: 0.1-0.2 s to fault in on this project's VMs, which no token block should wait behind.
+_TABLES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="blendmatch-tables")
+
+#: A table's successor is prepared once the fingerprints are within 1/AHEAD_SHARE of the
+#: growth point: at 250k new chunks/s a 2M-chunk table's last 1/32 takes 0.25 s, more than
+#: its 64 MiB successor takes to fault in here. Held that long only (or while the index
+#: stays within that share of the point): not counted in :attr:`SlotArray.nbytes`.
+AHEAD_SHARE = 32
+
+#: Smallest successor prepared ahead: below it a table is cheap to fault in where it is built.
+AHEAD_MIN_SIZE = 1 << 20
+
+
+def _faulted_in(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A zeroed table of ``size`` slots and its zeroed occupancy words, every page faulted
+    in (:func:`storage.prefault`, without the GIL): what a build into fresh memory spends
+    most of its time on at millions of chunks (237 ms at 2.1M fingerprints here, 72 ms of
+    it the inserts)."""
+    table = _alloc_table(size)
+    words = np.zeros((size + 63) >> 6, dtype=np.uint64)
+    prefault(table)
+    prefault(words.view(np.uint8))
+    return table, words
 
 
 def _next_pow2(n: int) -> int:
@@ -171,6 +201,8 @@ class SlotArray:
         self._log_s: list[np.ndarray] = []
         self._log_v: list[np.ndarray] = []
         self._log_len = 0
+        #: ``(size, future of its faulted-in arrays)``: the next growth's table, being prepared
+        self._ahead: Optional[tuple[int, Future]] = None
 
     # -- reading -------------------------------------------------------------------------
     @property
@@ -257,6 +289,36 @@ class SlotArray:
             return True
         return self.stale > max(1024, self.live // 4)
 
+    def prepare_growth(self, extra: int = 0) -> None:
+        """Writer side, with ``extra`` fingerprints about to be inserted and no rebuild due:
+        once within 1/:data:`AHEAD_SHARE` of the growth point, start preparing the table the
+        growth will build (on :data:`_TABLES`), so that :meth:`build` writes into memory
+        already faulted in instead of faulting it in on the writer's thread. Dropped again
+        if the index falls back out of that share before growing."""
+        size = self.size
+        at_growth = size // LOAD_RATIO  # fingerprints the table holds before it must grow
+        if (self.live + extra) * AHEAD_SHARE < at_growth * (AHEAD_SHARE - 1):
+            self._ahead = None
+            return
+        nxt = self.wanted_size(at_growth + 1)
+        if nxt < AHEAD_MIN_SIZE or nxt <= size or (self._ahead is not None and self._ahead[0] == nxt):
+            return
+        try:
+            self._ahead = (nxt, _TABLES.submit(_faulted_in, nxt))
+        except RuntimeError:  # the interpreter is shutting down: the growth faults it in itself
+            self._ahead = None
+
+    def _take_ahead(self, size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The prepared table if it has ``size`` slots (waiting for it if it is still being
+        faulted in), else None; either way nothing stays prepared."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0] != size:
+            return None
+        try:
+            return ahead[1].result()
+        except Exception:  # noqa: BLE001 - the mapping failed there: build into fresh memory here
+            return None
+
     def rebuild(self, live_fps: np.ndarray, size: int | None = None) -> None:
         """Re-size and re-fill from the complete set of live fingerprints (new generation)."""
         self.adopt(self.build(live_fps, size))
@@ -269,8 +331,9 @@ class SlotArray:
         new_size = self.wanted_size(int(live_fps.size)) if size is None else size
         if new_size < 1 or new_size & (new_size - 1):
             raise ValueError(f"table size must be a power of two, got {new_size}")
-        table = _alloc_table(new_size)
-        words = np.zeros((new_size + 63) >> 6, dtype=np.uint64)  # the insert below sets them
+        # zeroed either way; the insert below sets the words
+        table, words = self._take_ahead(new_size) or (_alloc_table(new_size),
+                                                      np.zeros((new_size + 63) >> 6, dtype=np.uint64))
         _s, _v, new_shared = _insert_nb(table, words, new_size - 1, live_fps, self._occupancy)
         return RebuiltTable(table, words, int(live_fps.size), int(new_shared))
 

@@ -23,7 +23,7 @@ from numba.typed import List as NumbaList
 
 from blendmatch.gpu.fingerprint import mix64_scalar
 
-__all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE", "split_hashes", "Repeat"]
+__all__ = ["Columns", "FingerprintMap", "TokenStore", "EMPTY", "TOMBSTONE", "split_hashes", "Repeat", "prefault"]
 
 #: FingerprintMap value of a never-used slot / of a deleted one (keeps probe chains intact).
 EMPTY = -1
@@ -277,6 +277,12 @@ def _prefault(buf, step):  # pragma: no cover - compiled
         buf[i] = 0
 
 
+def prefault(buf: np.ndarray) -> None:
+    """Fault in every page of ``buf`` (a writable 1-D uint8 array) by writing a zero to each,
+    without the GIL: for memory that is zero already or not yet meaningful."""
+    _prefault(buf, _PAGE)
+
+
 def _alloc_block(rows: int, width: int) -> np.ndarray:
     """An uninitialised ``(rows, width)`` uint32 block, its pages mapped before it is used.
 
@@ -295,7 +301,7 @@ def _alloc_block(rows: int, width: int) -> np.ndarray:
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except (OSError, ValueError, AttributeError):
             return np.empty((rows, width), dtype=np.uint32)
-        _prefault(np.frombuffer(mm, dtype=np.uint8), _PAGE)
+        prefault(np.frombuffer(mm, dtype=np.uint8))
         return np.frombuffer(mm, dtype=np.uint32).reshape(rows, width)  # keeps mm alive
     return np.empty((rows, width), dtype=np.uint32)
 

@@ -71,7 +71,8 @@ def test_stage_alone_applies_every_posters_bodies_in_order(monkeypatch):
 
 def test_stage_alone_probe_notes_a_long_gil_hold_with_the_keys_by_then(monkeypatch):
     """``--probe-gil``: a hold of the GIL in one piece (a C loop that never lets it go) during
-    the third run is noted, over 10 ms, with the keys the runs before it stored."""
+    the third run is noted, over 10 ms, with the keys the runs before it stored; that run is
+    among the longest runs reported."""
     from blendmatch.bench import floor_stages
     from blendmatch.service import event_source
 
@@ -86,9 +87,12 @@ def test_stage_alone_probe_notes_a_long_gil_hold_with_the_keys_by_then(monkeypat
     monkeypatch.setattr(event_source, "decode_and_apply_run", holding)
     row = floor_stages._run_alone(64, 4, 0.3, 1 << 44, probe=True)
     holds = row["gil_holds"]
-    assert holds == sorted(holds, reverse=True)
+    assert [ms for ms, _ in holds] == sorted((ms for ms, _ in holds), reverse=True)
     # (the first runs may hold it too: compiling or loading the kernels)
     assert any(ms > 10 and keys in (2 * 4 * 64, 3 * 4 * 64) for ms, keys in holds), holds
+    longest = row["longest_runs"]  # the run that held it is among the longest, with the keys before it
+    assert [ms for ms, _ in longest] == sorted((ms for ms, _ in longest), reverse=True)
+    assert any(k == 2 * 4 * 64 and ms > 10 for ms, k in longest), longest
     assert "gil_holds" not in floor_stages._run_alone(64, 4, 0.1, 2 << 44)
 
 

@@ -164,3 +164,60 @@ def test_occupancy_bits_follow_every_write(mode, rng):
 def test_memory_counts_the_occupancy_bits():
     s = SlotArray(min_size=1 << 16)
     assert s.nbytes == (1 << 16) + (1 << 16) // 8
+
+
+def test_the_next_growths_table_is_prepared_ahead_and_used(rng):
+    """Near its growth point a table's successor is mapped and faulted in on the tables
+    thread; the growth's build writes into it and the result is the build a fresh table
+    gets, byte for byte. Far from the point nothing is prepared (no memory held ahead)."""
+    from blendmatch.index import slots as slots_mod
+
+    s = SlotArray(min_size=1 << 20)  # grows at 65,536 fingerprints, to 2^21 slots
+    at_growth = s.size // slots_mod.LOAD_RATIO
+    zone = at_growth - at_growth // slots_mod.AHEAD_SHARE
+    fps = rng.integers(0, 1 << 63, size=at_growth + 64, dtype=np.uint64)
+    s.insert(fps[: zone - 100])
+    s.prepare_growth(50)
+    assert s._ahead is None  # outside the last 1/AHEAD_SHARE
+    s.insert(fps[zone - 100: at_growth - 10])
+    s.prepare_growth(5)
+    size, future = s._ahead
+    assert size == 2 * s.size
+    prepared = future.result()
+    s.prepare_growth(5)  # asked again: the same one, not a second
+    assert s._ahead[1] is future
+    assert s.needs_rebuild(64)
+    built = s.build(fps)
+    assert s._ahead is None
+    assert np.shares_memory(built.table, prepared[0]) and np.shares_memory(built.words, prepared[1])
+    fresh = SlotArray(min_size=1 << 20).build(fps)
+    assert np.array_equal(built.table, fresh.table) and np.array_equal(built.words, fresh.words)
+    assert (built.live, built.shared) == (fresh.live, fresh.shared)
+
+
+def test_a_prepared_table_of_another_size_is_dropped(rng):
+    """A build of another size (an explicit size, a shrink) does not take the prepared table,
+    and drops it; falling back out of the zone drops it too."""
+    from blendmatch.index import slots as slots_mod
+
+    s = SlotArray(min_size=1 << 20)
+    at_growth = s.size // slots_mod.LOAD_RATIO
+    fps = rng.integers(0, 1 << 63, size=at_growth, dtype=np.uint64)
+    s.insert(fps[:-8])
+    s.prepare_growth(4)
+    prepared = s._ahead[1].result()
+    built = s.build(fps[:-8], size=4 * s.size)
+    assert s._ahead is None and not np.shares_memory(built.table, prepared[0])
+    assert np.array_equal(built.table, SlotArray(min_size=1 << 20).build(fps[:-8], size=4 * s.size).table)
+    s.prepare_growth(4)
+    assert s._ahead is not None
+    s.remove(fps[: at_growth // 2])
+    s.prepare_growth(0)
+    assert s._ahead is None
+
+
+def test_small_tables_are_not_prepared_ahead(rng):
+    s = SlotArray()  # 1,024 slots: its successor is cheap to fault in where it is built
+    s.insert(rng.integers(0, 1 << 63, size=s.size // 16 - 1, dtype=np.uint64))
+    s.prepare_growth(1)
+    assert s._ahead is None

@@ -164,3 +164,36 @@ def test_token_blocks_fault_in_without_map_populate(monkeypatch):
     block[-1] = 7
     assert flags and not flags[0] & getattr(mmap, "MAP_POPULATE", 0)
     assert touched == [(4096 * 256 * 4, mmap.PAGESIZE)]
+
+
+def test_a_growing_slot_table_is_built_into_memory_prepared_ahead(monkeypatch):
+    """Bulk adds that bring the slot table near its growth have its successor faulted in on
+    the tables thread (not on the thread that adds), and the growth adopts that memory; the
+    answers are those of an index that never prepares ahead."""
+    import blendmatch.index.slots as slots
+
+    prepared: list[tuple[threading.Thread, tuple]] = []
+    real = slots._faulted_in
+
+    def recording(size):
+        arrays = real(size)
+        prepared.append((threading.current_thread(), arrays))
+        return arrays
+
+    monkeypatch.setattr(slots, "_faulted_in", recording)
+    index = BlendIndex(chunk_size=C, engine="cpu")
+    plain = BlendIndex(chunk_size=C, engine="cpu")
+    plain._slots.prepare_growth = lambda extra=0: None  # never ahead
+    rows = _rows(11, 70_000)  # past 65,536 fingerprints: a 2^20-slot table grows to 2^21
+    hashes = [i.to_bytes(8, "little") for i in range(len(rows))]
+    for lo in range(0, len(rows), 1000):
+        for ix in (index, plain):
+            ix.add_many(rows[lo:lo + 1000], hashes[lo:lo + 1000], 0, NS)
+    assert index._slots.size == 1 << 21
+    assert [a[0].shape[0] for _, a in prepared] == [1 << 20, 1 << 21]
+    assert all(t is not threading.current_thread() and t.name.startswith("blendmatch-tables") for t, _ in prepared)
+    assert np.shares_memory(index._slots.table, prepared[-1][1][0])
+    assert np.array_equal(index._slots.table, plain._slots.table)
+    assert _state(index) == _state(plain)
+    query = np.concatenate(rows[::997])
+    assert index.match(query, NS) == plain.match(query, NS) and len(index.match(query, NS)) == len(rows[::997])
