@@ -151,6 +151,22 @@ def _fm_insert(keys, vals, mask, fps, rows):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True)
+def _fm_rehash(old_keys, old_vals, keys, vals, mask):  # pragma: no cover - compiled
+    """Insert the live entries of an old table into an empty one, in slot order: the table
+    that gathering them (``old_vals >= 0``) and inserting them in order builds, without the
+    gathered copies."""
+    for i in range(old_vals.shape[0]):
+        v = old_vals[i]
+        if v >= 0:
+            fp = old_keys[i]
+            j = np.int64(mix64_scalar(fp) & np.uint64(mask))
+            while vals[j] >= 0:
+                j = (j + 1) & mask
+            keys[j] = fp
+            vals[j] = v
+
+
+@numba.njit(cache=True, nogil=True)
 def _fm_delete(keys, vals, mask, fp):  # pragma: no cover - compiled
     i = np.int64(mix64_scalar(fp) & np.uint64(mask))
     while True:
@@ -247,14 +263,14 @@ class FingerprintMap:
         self.adopt(self._rehashed(need))
 
     def _rehashed(self, need: int) -> tuple[np.ndarray, np.ndarray]:
-        """The live keys in a new table sized for ``need`` keys (load after it <= 2/3)."""
-        live_mask = self.vals >= 0
-        keys, rows = self.keys[live_mask], self.vals[live_mask]
+        """The live keys in a new table sized for ``need`` keys (load after it <= 2/3), read
+        from the old table in one pass (gathering them first by a boolean mask was 31-56 ms
+        of an 85 ms growth at 1.4M keys)."""
         cap = 1024
         while cap * 2 < need * 3:
             cap *= 2
         new_keys, new_vals = _empty_map(cap)
-        _fm_insert(new_keys, new_vals, cap - 1, keys, rows)
+        _fm_rehash(self.keys, self.vals, new_keys, new_vals, cap - 1)
         return new_keys, new_vals
 
 
