@@ -112,9 +112,9 @@ def _gil_probe(applied: list[int], gaps: list[tuple[float, int]], stop: Any, eve
         last = now
 
 
-def _run_alone(batch: int, posters: int, duration: float, first_id: int,
-               probe: bool = False) -> dict[str, Any]:  # pragma: no cover - runs in the spawned interpreter
-    """Stage ``alone`` (see the module docstring), in this interpreter; with ``probe`` a
+def _run_alone(batch: int, posters: int, duration: float, first_id: int, probe: bool = False) -> dict[str, Any]:
+    """Stage ``alone`` (see the module docstring), in this interpreter (the stage spawns a
+    fresh one for it; the tests call it in theirs); with ``probe`` a
     thread notes the GIL's longest holds (:func:`_gil_probe`), and the longest runs (the
     events thread's stalls: a growth, a resize) are reported with them."""
     import gc

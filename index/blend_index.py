@@ -28,6 +28,13 @@ out; bulk adds stage new contents under the first and publish them under the sec
 ``__init__``). The engine probe runs outside both (the slot array tolerates concurrent
 readers). Lock order: directory -> index writer -> index; the index never calls back.
 
+Why one module of ~800 lines: every method here keeps the invariants above across the same
+private columns (contents, occupants, claims, the hash list, the map and the slot table)
+under the same two locks; the parts that stand alone already live apart (``storage.py``
+the containers, ``slots.py`` the filter, ``verify.py`` the per-position rule,
+``namespace_ids.py``, ``tokens.py``). Splitting adds, stages, removals or the checkpoint
+state out would hand those private columns and the locking rules to several modules.
+
 Why one module of ~800 lines: every method works on the same private state (three column
 sets linked by row ids, the fingerprint map, the slot table, two locks) under one set of
 invariants; split by method, that state would be reached into from several modules.

@@ -134,19 +134,26 @@ def _fm_lookup(keys, vals, mask, fps):  # pragma: no cover - compiled
     return out
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fm_put(keys, vals, mask, fp, row):  # pragma: no cover - compiled
+    """Put an absent key in the first free or deleted slot of its probe chain; returns
+    whether that slot was a tombstone."""
+    i = np.int64(mix64_scalar(fp) & np.uint64(mask))
+    while vals[i] >= 0:
+        i = (i + 1) & mask
+    reused = vals[i] == -2
+    keys[i] = fp
+    vals[i] = row
+    return reused
+
+
 @numba.njit(cache=True, nogil=True)
 def _fm_insert(keys, vals, mask, fps, rows):  # pragma: no cover - compiled
     """Insert absent keys; returns how many tombstones were reused."""
     reused = 0
     for j in range(fps.shape[0]):
-        fp = fps[j]
-        i = np.int64(mix64_scalar(fp) & np.uint64(mask))
-        while vals[i] >= 0:
-            i = (i + 1) & mask
-        if vals[i] == -2:
+        if _fm_put(keys, vals, mask, fps[j], rows[j]):
             reused += 1
-        keys[i] = fp
-        vals[i] = rows[j]
     return reused
 
 
@@ -156,14 +163,8 @@ def _fm_rehash(old_keys, old_vals, keys, vals, mask):  # pragma: no cover - comp
     that gathering them (``old_vals >= 0``) and inserting them in order builds, without the
     gathered copies."""
     for i in range(old_vals.shape[0]):
-        v = old_vals[i]
-        if v >= 0:
-            fp = old_keys[i]
-            j = np.int64(mix64_scalar(fp) & np.uint64(mask))
-            while vals[j] >= 0:
-                j = (j + 1) & mask
-            keys[j] = fp
-            vals[j] = v
+        if old_vals[i] >= 0:
+            _fm_put(keys, vals, mask, old_keys[i], old_vals[i])
 
 
 @numba.njit(cache=True, nogil=True)
