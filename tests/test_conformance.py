@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from blendmatch.gpu.batch import Candidates, QueryBatch
+from blendmatch.gpu.cpu import CHAINS, LANE
 from blendmatch.gpu.reference import ReferenceEngine
 from blendmatch.index import BlendIndex, BlendMatch, BlendNamespace
 from blendmatch.gpu.fingerprint import chunk_fingerprints
@@ -66,6 +67,27 @@ def test_windows_never_cross_query_boundaries(engine):
     whole = np.concatenate([q0, q1])
     got = _check(engine, QueryBatch.from_queries([whole], c, 1), slots)
     assert got.cur_st.tolist() == [2]
+
+
+@pytest.mark.parametrize("mode", ["tagged", "occupancy"])
+def test_chain_segments_and_lane_edges_match_the_reference(engine, rng, mode):
+    """Window counts at the CPU engine's edges: an item is cut into CHAINS segments of
+    LANE-window lanes plus a remainder of 0..CHAINS-1 windows (and fewer than CHAINS windows
+    is all remainder). A crowded table makes a fifth or more of the windows survive, so a window
+    hashed at the wrong position, or a survivor written in the wrong order, changes the
+    candidates."""
+    c = 8
+    chunks = rng.integers(0, 4, size=(200, c), dtype=np.uint32)
+    slots = _slots_with(chunks, mode, extra_random=200, rng=rng, size=512)
+    span = CHAINS * LANE
+    windows = sorted({1, 2, 3, CHAINS - 1, CHAINS, CHAINS + 1, 2 * CHAINS + 3, LANE - 1, LANE, LANE + 1,
+                      span - 1, span, span + 1, span + CHAINS - 1, 2 * span + 2, 3 * span + CHAINS + 1})
+    queries = [rng.integers(0, 4, size=n + c - 1, dtype=np.uint32) for n in windows]
+    got = _check(engine, QueryBatch.from_queries(queries, c, 1), slots)
+    assert len(got) > sum(windows) // 10
+    for q, n in enumerate(windows):  # survivors stay inside their query
+        starts = got.cur_st[got.query_index == q]
+        assert np.all((starts >= 0) & (starts <= n - 1))
 
 
 def test_shared_and_stale_slots(engine, rng):
