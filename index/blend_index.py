@@ -790,9 +790,10 @@ class BlendIndex:
                        stats: MatchStats) -> tuple[list[int], list[int], list[bytes], list[int]]:
         """Verification and the per-position rule (``verify.per_position_rule``), lock held:
         time and memory linear in candidates plus occupants. Per match: its query, position,
-        chunk hash and stored offset, as columns."""
+        chunk hash and stored offset, as columns. Its kernels keep the GIL (a release inside
+        the hold kept the lock held for a turn of the event loop)."""
         q_ns = np.fromiter((self._ns.get(ns) for ns in namespaces), dtype=np.int64, count=len(namespaces))
-        rows = self._fpmap.lookup(cands.fingerprint)
+        rows = self._fpmap.lookup_in_hold(cands.fingerprint)
         args = (cands.query_index, cands.cur_st, rows, q_ns, batch.tokens, batch.offsets, self.chunk_size,
                 self._tokens.blocks, self._tokens.shift, self._tokens.mask, self._c["occ"], self._o["next"],
                 self._o["claim"], self._k["ns"], self._k["next"])

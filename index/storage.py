@@ -115,8 +115,8 @@ class Columns:
             self.cols[k] = b
 
 
-@numba.njit(cache=True, nogil=True)
-def _fm_lookup(keys, vals, mask, fps):  # pragma: no cover - compiled
+@numba.njit(inline="always")
+def _fm_find(keys, vals, mask, fps):  # pragma: no cover - compiled
     out = np.empty(fps.shape[0], dtype=np.int64)
     for j in range(fps.shape[0]):
         fp = fps[j]
@@ -132,6 +132,18 @@ def _fm_lookup(keys, vals, mask, fps):  # pragma: no cover - compiled
             i = (i + 1) & mask
         out[j] = r
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _fm_lookup(keys, vals, mask, fps):  # pragma: no cover - compiled
+    return _fm_find(keys, vals, mask, fps)
+
+
+# The same body compiled to keep the GIL (its own function: numba's cache is keyed by the
+# function, not by the flags; see gpu/cpu.py's _probe_serial).
+@numba.njit(cache=True)
+def _fm_lookup_held(keys, vals, mask, fps):  # pragma: no cover - compiled
+    return _fm_find(keys, vals, mask, fps)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -204,6 +216,13 @@ class FingerprintMap:
     def lookup(self, fps: np.ndarray) -> np.ndarray:
         """Rows (int64) for each fingerprint, -1 where absent."""
         return _fm_lookup(self.keys, self.vals, self.capacity - 1, np.ascontiguousarray(fps, dtype=np.uint64))
+
+    def lookup_in_hold(self, fps: np.ndarray) -> np.ndarray:
+        """:meth:`lookup` without releasing the GIL, for a caller holding a lock that others
+        wait for (a lookup's verification): a release there hands the GIL to the busy event
+        loop, and the lock stays held until the GIL comes back (``docs/performance.md``,
+        issue 28's ninth round)."""
+        return _fm_lookup_held(self.keys, self.vals, self.capacity - 1, np.ascontiguousarray(fps, dtype=np.uint64))
 
     def get(self, fp: int) -> int:
         return int(self.lookup(np.array([fp], dtype=np.uint64))[0])

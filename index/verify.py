@@ -79,7 +79,11 @@ def _first_claimed(occ, ns, o_next, o_claim, k_ns, k_next, key_of, seen, exact):
     return np.int64(-1), steps
 
 
-@numba.njit(cache=True, nogil=True)
+# Keeps the GIL (no ``nogil``): it runs under the index lock, and a release there handed the
+# GIL to the busy event loop while the lock stayed held until it came back; ingest waited
+# on that (its lock-wait p99 0.7-0.8 ms, 2-3 us since: docs/performance.md, issue 28's ninth
+# round). It takes tens of microseconds a batch, less than one turn of the loop.
+@numba.njit(cache=True)
 def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask,
                c_occ, o_next, o_claim, k_ns, k_next, key_of, exact):  # pragma: no cover - compiled
     """The per-position rule over the candidates (ascending by query, then position):

@@ -140,3 +140,27 @@ def test_a_lookup_sees_a_whole_request_or_none_of_it():
     # scheduler: the old version of a request lives only until its rewrite, microseconds when
     # the writer runs alone, so requiring both kinds failed on a quiet machine)
     assert {(k, 0), (0, k)} & set(seen)
+
+
+def test_verification_keeps_the_gil_inside_the_lock(monkeypatch):
+    """A lookup verifies under the index lock. A kernel there that released the GIL handed it
+    to the busy event loop and kept the lock until the GIL came back: ingest waited for it
+    (p99 0.7-0.8 ms against 2-3 us now, docs/performance.md, issue 28's ninth round). Both
+    kernels of the verification are compiled to keep the GIL, and it calls those; the
+    writers' bulk lookups still release it."""
+    from blendmatch.index import storage, verify
+
+    assert not verify.per_position_rule.targetoptions.get("nogil")
+    assert not storage._fm_lookup_held.targetoptions.get("nogil")
+    assert storage._fm_lookup.targetoptions.get("nogil")
+    c = 16
+    rows = np.random.default_rng(5).integers(0, 1 << 31, size=(4, c), dtype=np.uint32)
+    idx = BlendIndex(chunk_size=c, engine="cpu")
+    idx.add_many(rows, [b"a", b"b", b"c", b"d"], np.arange(4) * c, NS)
+
+    def released(self, fps):  # the releasing lookup must not be on the lookup path
+        raise AssertionError("verification called the GIL-releasing lookup")
+
+    monkeypatch.setattr(storage.FingerprintMap, "lookup", released)
+    query = np.concatenate([rows[2], rows[0]])
+    assert [m.chunk_hash for m in idx.match(query, NS)] == [b"c", b"a"]

@@ -38,3 +38,18 @@ def test_rehash_builds_the_gathered_table(n, deleted, colliding, seed):
     fm.adopt((keys, vals))
     assert np.array_equal(fm.lookup(fps), rows_before)  # every live key keeps its row, deleted ones stay absent
     assert EMPTY == -1
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 2000), colliding=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_lookup_in_hold_answers_as_lookup(n, colliding, seed):
+    """The GIL-keeping lookup (a verification's, under the index lock) is the same probe."""
+    rng = np.random.default_rng(seed)
+    hi = 64 if colliding else 1 << 63
+    fps = np.unique(rng.integers(0, hi, size=n, dtype=np.uint64))
+    fm = FingerprintMap(capacity=1024)
+    fm.insert(fps, np.arange(fps.size, dtype=np.int64))
+    for fp in fps[rng.random(fps.size) < 0.3]:
+        fm.delete(int(fp))
+    asked = np.concatenate([fps, rng.integers(0, hi, size=64, dtype=np.uint64)])
+    assert np.array_equal(fm.lookup_in_hold(asked), fm.lookup(asked))
