@@ -215,14 +215,17 @@ class FingerprintMap:
 
     def lookup(self, fps: np.ndarray) -> np.ndarray:
         """Rows (int64) for each fingerprint, -1 where absent."""
-        return _fm_lookup(self.keys, self.vals, self.capacity - 1, np.ascontiguousarray(fps, dtype=np.uint64))
+        return self._find(_fm_lookup, fps)
 
     def lookup_in_hold(self, fps: np.ndarray) -> np.ndarray:
         """:meth:`lookup` without releasing the GIL, for a caller holding a lock that others
         wait for (a lookup's verification): a release there hands the GIL to the busy event
         loop, and the lock stays held until the GIL comes back (``docs/performance.md``,
         issue 28's ninth round)."""
-        return _fm_lookup_held(self.keys, self.vals, self.capacity - 1, np.ascontiguousarray(fps, dtype=np.uint64))
+        return self._find(_fm_lookup_held, fps)
+
+    def _find(self, kernel: Any, fps: np.ndarray) -> np.ndarray:
+        return kernel(self.keys, self.vals, self.capacity - 1, np.ascontiguousarray(fps, dtype=np.uint64))
 
     def get(self, fp: int) -> int:
         return int(self.lookup(np.array([fp], dtype=np.uint64))[0])
