@@ -35,10 +35,6 @@ the containers, ``slots.py`` the filter, ``verify.py`` the per-position rule,
 ``namespace_ids.py``, ``tokens.py``). Splitting adds, stages, removals or the checkpoint
 state out would hand those private columns and the locking rules to several modules.
 
-Why one module of ~800 lines: every method works on the same private state (three column
-sets linked by row ids, the fingerprint map, the slot table, two locks) under one set of
-invariants; split by method, that state would be reached into from several modules.
-
 Memory: see ``storage.py``; about 100-200 bytes per chunk beyond its 1 KiB of tokens.
 Token rows handed out by ``add``/``add_many`` are shared, read-only views: a row is never
 reused while its content still has an occupant (hence a claim), so the key directory keeps
