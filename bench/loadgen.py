@@ -249,6 +249,24 @@ async def wrk_loop(host: str, port: int, requests: list[bytes], clients: int,
     raise RuntimeError(f"wrk printed no result (rc {proc.returncode}): {out[-500:]!r} {err[-500:]!r}")
 
 
+def machine_ticks() -> tuple[int, int] | None:
+    """``(idle, total)`` clock ticks of the whole machine since boot (``/proc/stat``'s first
+    line; idle includes iowait). Two readings give the cores left idle over a phase
+    (:func:`idle_cores`): whether the 2 vCPUs, not a serial stage of the server, set the rate."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return ticks[3] + ticks[4], sum(ticks[:8])  # idle + iowait; user..steal (guest is in user)
+
+
+def idle_cores(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The machine's idle cores on average between two :func:`machine_ticks` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * (os.cpu_count() or 1)
+
+
 def proc_cpu_s(pid: int | None) -> float | None:
     """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
     if pid is None:

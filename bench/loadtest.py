@@ -61,8 +61,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .loadgen import (Conn, closed_loop, free_port, get_request, percentile_ms, post_request, proc_cpu_s,
-                      spawn_process, spawn_server, stop_server, wrk_available, wrk_loop)
+from .loadgen import (Conn, closed_loop, free_port, get_request, idle_cores, machine_ticks, percentile_ms,
+                      post_request, proc_cpu_s, spawn_process, spawn_server, stop_server, wrk_available, wrk_loop)
 from .posters import MODEL, StoreBodies, entry_text, events_body, issue_table, post_loop
 
 __all__ = ["main", "spawn_server", "stop_server", "PhaseResult", "LOOPBACK_HOSTS", "Workload", "fill", "lookup_requests"]
@@ -152,6 +152,8 @@ class PhaseResult:
     generator: str = "python"
     p999_ms: float = float("nan")
     server_cpu_us_per_req: float | None = None
+    generator_cpu_us_per_entry: float | None = None  # ingest phases: the posters' own CPU
+    idle_cores: float | None = None  # the machine's cores left idle during the phase
     batch_histogram: dict[str, int] = field(default_factory=dict)
 
 
@@ -291,10 +293,10 @@ async def ingest_phase(host: str, port: int, *, config: str, posters: int, batch
                        chunk_size: int, first_id: int, server_pid: int | None = None) -> PhaseResult:
     """``POST /events`` as fast as ``posters`` concurrent posters get answers, ``batch``
     entries per request (LMCache's JSON, ``token_ids`` lists), every entry a new chunk."""
-    cpu0 = proc_cpu_s(server_pid)
+    cpu0, ticks0 = proc_cpu_s(server_pid), machine_ticks()
     got = await post_loop(host, port, posters=posters, batch=batch, duration=duration, chunk_size=chunk_size,
                           first_id=first_id)
-    cpu1 = proc_cpu_s(server_pid)
+    cpu1, ticks1 = proc_cpu_s(server_pid), machine_ticks()
     wall = got["seconds"]
     res = PhaseResult(config, f"events {batch}x{posters}", posters, got["posts"], got["errors"], wall,
                       got["posts"] / wall, got["entries"] * chunk_size / wall, got["p50_ms"], got["p99_ms"],
@@ -302,7 +304,9 @@ async def ingest_phase(host: str, port: int, *, config: str, posters: int, batch
                       event_p99_ms=got["p99_ms"])
     if cpu0 is not None and cpu1 is not None and got["posts"]:
         res.server_cpu_us_per_req = (cpu1 - cpu0) / got["posts"] * 1e6
-    res.notes.append(f"generator CPU {got['generator_cpu_s'] / max(got['entries'], 1) * 1e6:.1f} us/entry")
+    res.generator_cpu_us_per_entry = got["generator_cpu_s"] / max(got["entries"], 1) * 1e6
+    res.idle_cores = idle_cores(ticks0, ticks1)
+    res.notes.append(f"generator CPU {res.generator_cpu_us_per_entry:.1f} us/entry")
     return res
 
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any, Sequence
 
@@ -131,7 +132,10 @@ def issue_table(results: Sequence[Any], *, config: str, lmcache: str | None, eve
                 posters: int, ingest_batches: Sequence[int]) -> str:
     """Issue 28's table (its rows, in its order) from ``PhaseResult`` rows: ours from
     ``config``, LMCache's from ``lmcache`` (its config name), ingest from the
-    ``events BxP`` phases. Every row is printed; one not measured in this run says so."""
+    ``events BxP`` phases. Every row is printed; one not measured in this run says so. An
+    ingest row also gives the CPU per entry of the server and of the posters (which share
+    the machine) and the cores the machine left idle: idle cores with a missed rate say
+    that a serial stage of the server, not the machine, set it."""
     by = {(r.config, r.phase): r for r in results}
     ours, theirs = by.get((config, "lookup")), by.get((lmcache, "lookup")) if lmcache else None
     stream = by.get((config, "lookup+events"))
@@ -156,6 +160,10 @@ def issue_table(results: Sequence[Any], *, config: str, lmcache: str | None, eve
         key = "ingest_64" if b <= 64 else "ingest_1000"
         cpu = (f", {r.server_cpu_us_per_req / b:.1f} us server CPU/entry"
                if r is not None and r.server_cpu_us_per_req is not None else "")
+        if r is not None and r.generator_cpu_us_per_entry is not None:  # the posters share the machine
+            cpu += f", posters {r.generator_cpu_us_per_entry:.1f} us/entry"
+        if r is not None and r.idle_cores is not None:
+            cpu += f", {r.idle_cores:.2f} of {os.cpu_count()} cores idle"
         rows.append(f"| POST /events ingest, JSON token_ids, {b}-entry batches, {posters} concurrent posters | "
                     + (f"{r.event_entries_per_s:,.0f} entries/s{cpu}" if r else "-")
                     + f" | >= {TARGETS[key][0]:,.0f} entries/s | "

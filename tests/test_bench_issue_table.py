@@ -30,8 +30,10 @@ def test_loadtest_prints_every_row_of_issue_28s_table(lmcache_site, capsys):  # 
     expect = [r"vs LMCache 0\.5\.6's coordinator in the same run .*\| [\d,]+ vs [\d,]+: \*\*[\d.]+x\*\* \|",
               r"lookup p99, 2 clients, idle ingest \| [\d.]+ ms",
               r"streams 300 STORE entries/s \(JSON token_ids, 16-entry batches\) \| [\d.]+ ms at [\d,]+ entries/s",
-              r"8-entry batches, 3 concurrent posters \| [\d,]+ entries/s",
-              r"40-entry batches, 3 concurrent posters \| [\d,]+ entries/s"]
+              r"8-entry batches, 3 concurrent posters \| [\d,]+ entries/s, [\d.]+ us server CPU/entry, "
+              r"posters [\d.]+ us/entry, [\d.]+ of \d+ cores idle \|",
+              r"40-entry batches, 3 concurrent posters \| [\d,]+ entries/s, [\d.]+ us server CPU/entry, "
+              r"posters [\d.]+ us/entry, [\d.]+ of \d+ cores idle \|"]
     for row, pattern in zip(rows, expect):
         assert re.search(pattern, row), (pattern, row)
         assert row.rstrip().endswith(("| **met** |", "| missed |")), row  # a verdict, never "not measured"
