@@ -24,7 +24,8 @@ What one run does (blendmatch loadtest --spawn --compare, the default):
 5. print one table: requests/s, tokens/s, p50/p99 latency, errors, and the mean batch the
    server formed in that phase (from GET /directory/stats before and after); then issue
    28's table (bench/posters.py: issue_table): every figure, with batch sizes and poster
-   counts, against its target.
+   counts, against its target; an ingest row also gives the server's and the posters' CPU
+   per entry and the machine's idle cores during the phase.
 
 With --url http://127.0.0.1:PORT it measures a server you started instead (no
 comparison; it fills only with --fill). Only loopback addresses are accepted, and every
