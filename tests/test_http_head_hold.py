@@ -1,15 +1,19 @@
 """A response's head and body leave in one write (``service/limits.py``, ``_CountingTransport``;
-issue 28: each send is a syscall made with the GIL held).
+issue 28: each send is a syscall made with the GIL held), and that write goes straight to
+the socket without the GIL when the transport has nothing queued.
 
 The wrapper is driven directly over a recording transport on a real event loop, and a real
-server is asked over a real socket, so that both the rule and its effect on the wire are
+server is asked over a real socket, so that both the rules and their effect on the wire are
 checked: a head is held until the body's write, or until the end of the loop iteration, or
-a ``close``; nothing is reordered, lost or written twice.
+a ``close``; a write bypasses the transport only while nothing is queued there (what the
+socket does not take is queued behind); nothing is reordered, lost or written twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 from blendmatch.service import limits as limits_mod
 
@@ -81,11 +85,12 @@ def test_head_and_body_are_one_write_and_a_lone_head_leaves_at_the_end_of_the_it
 
 
 def test_uvicorn_answers_with_one_write_per_response(monkeypatch) -> None:
-    """The real protocol under uvicorn, over a real socket: the connection's raw transport
-    (recorded) gets one write per keep-alive response, head and body together."""
+    """The real protocol under uvicorn, over a real socket: one send per keep-alive response,
+    head and body together, straight to the socket (nothing is queued in the transport)."""
     from test_http_limits import Served, read_response  # noqa: PLC0415
 
     writes: list[bytes] = []
+    direct: list[bytes] = []
 
     class Recording:
         def __init__(self, real):
@@ -103,11 +108,136 @@ def test_uvicorn_answers_with_one_write_per_response(monkeypatch) -> None:
     def connection_made(self, transport):
         return real_made(self, Recording(transport))
 
+    real_send = limits_mod._send
+
+    def send(fd, data):
+        direct.append(bytes(data))
+        return real_send(fd, data)
+
     monkeypatch.setattr(limits_mod._LimitedProtocol, "connection_made", connection_made)
+    monkeypatch.setattr(limits_mod, "_send", send)
     with Served() as srv:
         with srv.connect() as s:
             for k in range(5):
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
                 status, _, body = read_response(s)
                 assert status == 200 and body
-                assert len(writes) == k + 1 and writes[-1].startswith(b"HTTP/1.1 200") and writes[-1].endswith(body)
+                assert writes == [] and len(direct) == k + 1
+                assert direct[-1].startswith(b"HTTP/1.1 200") and direct[-1].endswith(body)
+
+
+def test_a_write_bypasses_the_transport_only_while_nothing_is_queued(monkeypatch) -> None:
+    """On a real event loop (uvloop when installed, as the server runs) and a real socket
+    whose peer does not read: a write into an empty transport goes straight to the socket;
+    what the socket does not take, and every write after it while anything is queued, go
+    through the transport; once the peer has read everything, writes go straight again.
+    The peer receives every byte once, in the order written."""
+    try:
+        import uvloop  # noqa: PLC0415
+        new_loop = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - the server's default loop then
+        new_loop = asyncio.new_event_loop
+    direct: list[int] = []
+    real_send = limits_mod._send
+
+    def send(fd, data):
+        direct.append(-1)  # tried; the count it sent replaces it
+        direct[-1] = real_send(fd, data)
+        return direct[-1]
+
+    monkeypatch.setattr(limits_mod, "_send", send)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        made: asyncio.Future = loop.create_future()
+        queued: list[int] = []
+
+        class Recording:
+            def __init__(self, real):
+                self._real = real
+
+            def write(self, data):
+                queued.append(len(data))
+                self._real.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self._real, name)
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport):
+                made.set_result(limits_mod._CountingTransport(Recording(transport), _Conn(loop)))
+
+        server = await loop.create_server(Proto, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        peer = socket.create_connection(("127.0.0.1", port))
+        peer.setblocking(False)
+        t = await made
+        assert t._fd >= 0
+        sent: list[bytes] = []
+
+        def write(data: bytes) -> None:
+            sent.append(data)
+            t.write(data)
+
+        write(b"first,")
+        assert direct == [6] and queued == []  # straight to the socket
+        big = bytes(range(256)) * (64 << 10)  # 16 MiB: more than the socket buffers take
+        write(big)
+        assert 0 < direct[-1] < len(big) and queued == [len(big) - direct[-1]]  # the rest is queued
+        n_direct = len(direct)
+        got = bytearray()
+        while len(got) < min(1 << 20, direct[-1]):  # the peer takes some of what the socket
+            try:  # took; the loop does not run meanwhile, so the transport's queue stays
+                got += peer.recv(1 << 16)
+            except BlockingIOError:
+                time.sleep(0.001)
+        assert t.get_write_buffer_size() > 0
+        for k in range(200):  # small writes behind the queue: through the transport, in order,
+            write(b"<%d>" % k)  # although the socket has room for them now
+        assert len(direct) == n_direct and len(queued) == 201
+        want = b"".join(sent)
+        while len(got) < len(want):
+            try:
+                chunk = peer.recv(1 << 20)
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+                continue
+            assert chunk
+            got += chunk
+        for _ in range(1000):  # the transport learns that its queue drained
+            if not t.get_write_buffer_size():
+                break
+            await asyncio.sleep(0.001)
+        assert bytes(got) == want  # every byte once, in order
+        write(b"last")
+        assert direct[-1] == 4 and len(queued) == 201  # nothing queued: straight again
+        await asyncio.sleep(0.01)
+        assert peer.recv(100) == b"last"
+        peer.close()
+        server.close()
+
+    loop = new_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_tls_and_socketless_transports_write_through_the_transport() -> None:
+    class Info:
+        def __init__(self, **extra):
+            self.extra = extra
+
+        def get_extra_info(self, name, default=None):
+            return self.extra.get(name, default)
+
+    a, b = socket.socketpair()
+    try:
+        assert limits_mod._plain_socket_fd(Info(socket=a)) == a.fileno()
+        assert limits_mod._plain_socket_fd(Info(socket=a, sslcontext=object())) == -1
+        assert limits_mod._plain_socket_fd(Info(socket=a, ssl_object=object())) == -1
+        assert limits_mod._plain_socket_fd(Info()) == -1
+        assert limits_mod._plain_socket_fd(object()) == -1
+    finally:
+        a.close()
+        b.close()

@@ -27,12 +27,12 @@ trustme = pytest.importorskip("trustme")
 class TLSServer:
     """uvicorn on 127.0.0.1:<free port> with the TLS arguments ``blendmatch serve`` passes."""
 
-    def __init__(self, app, cfg) -> None:
+    def __init__(self, app, cfg, **uvicorn_kw) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    **uvicorn_tls_kwargs(cfg)))
+                                                    **uvicorn_tls_kwargs(cfg), **uvicorn_kw))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> str:
@@ -76,6 +76,36 @@ def test_tls_serves_https_and_refuses_plain_http(pki):
             httpx.get(f"{url}/healthz", verify=True)
         with pytest.raises(httpx.HTTPError):
             httpx.get(url.replace("https", "http") + "/healthz")
+
+
+def test_tls_responses_go_through_the_transport_with_the_served_protocol(pki, monkeypatch):
+    """``blendmatch serve``'s HTTP protocol (``service/limits.py``) over TLS: a response is
+    never sent straight to the socket (that path is for plain TCP only: it would bypass the
+    encryption), and every answer arrives whole, small and large, on one keep-alive
+    connection."""
+    from blendmatch.service import limits as limits_mod
+
+    direct: list[int] = []
+    real_send = limits_mod._send
+
+    def send(fd, data):
+        direct.append(len(data))
+        return real_send(fd, data)
+
+    monkeypatch.setattr(limits_mod, "_send", send)
+    d = pki["dir"]
+    cfg = config(ssl_certfile=str(d / "server.pem"), ssl_keyfile=str(d / "server.key"))
+    app = create_app(cfg)
+    limits = limits_mod.HttpLimits.from_config(cfg)
+    ctx = ssl.create_default_context()
+    pki["ca"].configure_trust(ctx)
+    with TLSServer(app, cfg, http=limits.protocol_class) as url:
+        with httpx.Client(verify=ctx) as c:
+            for k in range(3):
+                assert c.get(f"{url}/healthz").json() == {"status": "healthy"}
+                assert c.post(f"{url}/events", json=events(store("i", k + 1, chunks(40, seed=k)))).json()["applied"] == 1
+            assert c.get(f"{url}/openapi.json").status_code == 200  # a large body
+    assert direct == []
 
 
 def test_client_certificates_are_required_with_ssl_ca_certs(pki):
