@@ -259,10 +259,11 @@ _send = os.write
 
 
 def _plain_socket_fd(transport: Any) -> int:
-    """The file descriptor of a plain TCP transport's socket, or -1 (TLS, no socket, or a
-    transport that does not say): then every write goes through the transport."""
+    """The file descriptor of a plain TCP transport's socket, or -1 (TLS, no socket, a
+    transport that does not say, or not POSIX, where a socket is no file descriptor for
+    ``os.write``): then every write goes through the transport."""
     get = getattr(transport, "get_extra_info", None)
-    if get is None or get("sslcontext") is not None or get("ssl_object") is not None:
+    if os.name != "posix" or get is None or get("sslcontext") is not None or get("ssl_object") is not None:
         return -1
     sock = get("socket")
     try:

@@ -215,7 +215,7 @@ def test_a_write_bypasses_the_transport_only_while_nothing_is_queued(monkeypatch
         loop.close()
 
 
-def test_tls_and_socketless_transports_write_through_the_transport() -> None:
+def test_tls_and_socketless_transports_write_through_the_transport(monkeypatch) -> None:
     class Info:
         def __init__(self, **extra):
             self.extra = extra
@@ -230,6 +230,8 @@ def test_tls_and_socketless_transports_write_through_the_transport() -> None:
         assert limits_mod._plain_socket_fd(Info(socket=a, ssl_object=object())) == -1
         assert limits_mod._plain_socket_fd(Info()) == -1
         assert limits_mod._plain_socket_fd(object()) == -1
+        monkeypatch.setattr(limits_mod.os, "name", "nt")  # a socket is no fd for os.write there
+        assert limits_mod._plain_socket_fd(Info(socket=a)) == -1
     finally:
         a.close()
         b.close()
