@@ -149,7 +149,6 @@ class PhaseResult:
     event_entries_per_s: float = 0.0
     event_p99_ms: float = 0.0
     event_errors: int = 0
-    notes: list[str] = field(default_factory=list)
     generator: str = "python"
     p999_ms: float = float("nan")
     server_cpu_us_per_req: float | None = None
@@ -307,7 +306,6 @@ async def ingest_phase(host: str, port: int, *, config: str, posters: int, batch
         res.server_cpu_us_per_req = (cpu1 - cpu0) / got["posts"] * 1e6
     res.generator_cpu_us_per_entry = got["generator_cpu_s"] / max(got["entries"], 1) * 1e6
     res.idle_cores = idle_cores(ticks0, ticks1)
-    res.notes.append(f"generator CPU {res.generator_cpu_us_per_entry:.1f} us/entry")
     return res
 
 
