@@ -14,8 +14,15 @@ State:
   chunk hash: one per rank / object group / model / salt, each with its placements, the
   ``members`` tuple). The binding dies with its last key, and a namespace's claim on the
   blend index with its namespace's last key there (:meth:`BindingStore.replace_placements`).
-- Per instance, the chunk hashes and the number of keys with a private L1 placement on it
-  (what fencing walks: only that instance's chunks, never every key).
+- Per instance, the number of keys with a private L1 placement on it, and a log of the
+  chunk hashes that gained one (what fencing walks: only that instance's chunks, never
+  every key). The log is a list, appended to in order and never searched: a chunk hash
+  may repeat in it, or stay after its copy went, and :meth:`BindingStore.l1_chunks_of`
+  filters it against the bindings (exact). Why a list and not a set: a set insert into a
+  table of millions is a cache miss per entry (5% of the events thread at 1,000-entry
+  bodies) and its resize held the GIL 41-96 ms at 1.3-2.5M keys; an append is neither.
+  A key's loss of its copy compacts the log when it holds more than twice the instance's
+  L1 keys plus a slack (amortised O(1) a loss; an append cannot break that bound).
 
 Memory (issue 3: at most 1.6 KB per stored 256-token chunk, index included): one dict
 entry, the chunk hash bytes (the very object the index keeps too), a 4-slot
@@ -48,6 +55,10 @@ __all__ = ["Binding", "BindingStore", "FenceResult", "KeyPage", "Member"]
 
 # (scope, placements sorted by (instance_id, tier, backend)); one per key bound to a chunk hash.
 Member = tuple[KeyScope, tuple[Placement, ...]]
+
+#: Stale or repeated entries a per-instance L1 log may hold beyond its instance's L1 keys
+#: before it is compacted (see :meth:`BindingStore.l1_chunks_of`).
+_L1_LOG_SLACK = 4096
 
 #: Interned values kept at most (placements, members tuples); past it the table starts
 #: over. Interning only saves memory; nothing relies on identity.
@@ -99,7 +110,9 @@ class BindingStore:
         self.bindings: dict[bytes, Binding] = {}
         self.usage = usage
         self.index = index
-        self.l1_chunks: dict[str, set[bytes]] = {}  # instance -> chunk hashes with its private L1 copy
+        # instance -> chunk hashes that gained its private L1 copy, in order (may repeat or
+        # be stale: l1_chunks_of is the exact set)
+        self.l1_log: dict[str, list[bytes]] = {}
         self.l1_keys: dict[str, int] = {}  # instance -> keys with a private L1 placement there
         # instances with a batch applied since their last fence: LMCache's
         # ``l1_keys_by_instance`` lists each of them, at 0 when it holds no L1 key
@@ -194,9 +207,38 @@ class BindingStore:
         self.num_keys += n
         self.num_placements += n
         if batch.tier == L1 and not batch.shared:
-            inst = batch.instance_id
-            self.l1_chunks.setdefault(inst, set()).update(hashes)
-            self.l1_keys[inst] = self.l1_keys.get(inst, 0) + n
+            self.log_l1(batch.instance_id, hashes)
+
+    # ------------------------------------------------------------------ the L1 logs
+    def log_l1(self, inst: str, hashes: Sequence[bytes]) -> None:
+        """Keys gained a private L1 copy on ``inst``, one per entry of ``hashes`` (their
+        chunk hashes: a chunk hash twice for two of its keys)."""
+        log = self.l1_log.get(inst)
+        if log is None:
+            log = self.l1_log[inst] = []
+        log.extend(hashes)  # keeps the log's bound: it grows by as many entries as keys
+        self.l1_keys[inst] = self.l1_keys.get(inst, 0) + len(hashes)
+
+    def l1_chunks_of(self, inst: str) -> list[bytes]:
+        """The chunk hashes with a private L1 copy on ``inst``, each once, in the order they
+        first gained one (exact: the log filtered against the bindings)."""
+        log = self.l1_log.get(inst)
+        if not log:
+            return []
+        get = self.bindings.get
+        out = []
+        for h in dict.fromkeys(log):
+            b = get(h)
+            if b is not None and any(is_private_l1(q, inst) for _, pls in b.members for q in pls):
+                out.append(h)
+        return out
+
+    @property
+    def l1_chunks(self) -> dict[str, set[bytes]]:
+        """Per instance holding any, the chunk hashes with its private L1 copy (exact; a
+        scan of the logs: for tests and checks, not the ingest path)."""
+        out = {inst: set(self.l1_chunks_of(inst)) for inst in self.l1_log}
+        return {inst: hs for inst, hs in out.items() if hs}
 
     def delete(self, batch: EventBatch) -> None:
         """Apply a DELETE batch: drop the reporter's placement of each key (the pool's
@@ -219,10 +261,12 @@ class BindingStore:
     def fence(self, instance_id: str) -> FenceResult:
         """Drop every private L1 placement of ``instance_id`` (its memory is gone after a
         restart); keys left without placements die, and with them their namespaces' claims."""
-        chunks = self.l1_chunks.pop(instance_id, None)
+        log = self.l1_log.pop(instance_id, None)
         keys_before, placements_before = self.num_keys, self.num_placements
-        for h in chunks or ():
-            b = self.bindings[h]  # the set is kept exact: every hash in it is bound
+        for h in dict.fromkeys(log or ()):
+            b = self.bindings.get(h)
+            if b is None:  # a stale log entry (l1_chunks_of)
+                continue
             j = 0
             while j < len(b.members):
                 pls = b.members[j][1]
@@ -245,7 +289,7 @@ class BindingStore:
         self.num_placements -= len(old) - len(kept)
         self.usage.remove_placements(q for q in old if q not in kept)
         if l1_exact:
-            self._drop_l1_bookkeeping(h, b, j, old, kept)
+            self._drop_l1_bookkeeping(old, kept)
         members = b.members
         if kept:
             b.members = self.intern(members[:j] + ((members[j][0], self.intern(kept)),) + members[j + 1:])
@@ -270,23 +314,21 @@ class BindingStore:
                 self.num_with_tokens -= 1
             b.tokens = None
 
-    def _drop_l1_bookkeeping(self, h: bytes, b: Binding, j: int, old: tuple[Placement, ...],
-                             kept: tuple[Placement, ...]) -> None:
+    def _drop_l1_bookkeeping(self, old: tuple[Placement, ...], kept: tuple[Placement, ...]) -> None:
+        """A key lost ``old`` less ``kept``: count down each instance whose last private L1
+        copy of the key went (its log keeps the chunk hash until a compaction: stale)."""
         for inst in {q.instance_id for q in old if q.tier == L1 and not q.shared}:
             if any(is_private_l1(q, inst) for q in kept):
                 continue
             left = self.l1_keys.get(inst, 0) - 1
             if left > 0:
                 self.l1_keys[inst] = left
-            else:
+                log = self.l1_log.get(inst)
+                if log is not None and len(log) > 2 * left + _L1_LOG_SLACK:
+                    log[:] = self.l1_chunks_of(inst)  # h may stay (its member is replaced next): harmless
+            else:  # no key of any chunk holds a private L1 copy there: the log is all stale
                 self.l1_keys.pop(inst, None)
-            others = any(is_private_l1(q, inst) for k, (_, pls) in enumerate(b.members) if k != j for q in pls)
-            if not others:
-                chunks = self.l1_chunks.get(inst)
-                if chunks is not None:
-                    chunks.discard(h)
-                    if not chunks:
-                        del self.l1_chunks[inst]
+                self.l1_log.pop(inst, None)
 
     # ------------------------------------------------------------------ reads
     def lookup(self, keys: Iterable[ObjectKey]) -> list[tuple[Placement, ...]]:
@@ -356,7 +398,7 @@ class BindingStore:
             "offsets": [b.offset for b in bindings],
             "indexed": [b.indexed for b in bindings],
             "tokens": [b.tokens for b in bindings],
-            "l1_chunks": {inst: list(hs) for inst, hs in self.l1_chunks.items()},
+            "l1_chunks": {inst: hs for inst in self.l1_log if (hs := self.l1_chunks_of(inst))},
             "l1_keys": dict(self.l1_keys),
             "counters": {"num_keys": self.num_keys, "num_placements": self.num_placements,
                          "num_with_tokens": self.num_with_tokens},
@@ -370,7 +412,7 @@ class BindingStore:
                                              state["tokens"])))
         if len(self.bindings) != len(hashes):
             raise ValueError("a chunk hash appears twice in the snapshot")
-        self.l1_chunks = {inst: set(hs) for inst, hs in state["l1_chunks"].items()}
+        self.l1_log = {inst: list(hs) for inst, hs in state["l1_chunks"].items()}
         self.l1_keys = {inst: int(n) for inst, n in state["l1_keys"].items()}
         c = state["counters"]
         self.num_keys, self.num_placements = int(c["num_keys"]), int(c["num_placements"])

@@ -26,7 +26,7 @@ another thread.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -138,11 +138,12 @@ class HolderWatch:
                 out[h] = self._view(b, keep)
         return out
 
-    def before_fence(self, bindings: dict, instance_id: str, chunks: Optional[set]) -> tuple[str, dict]:
-        """Views of the chunk hashes that fencing ``instance_id`` touches (its L1 chunks)."""
+    def before_fence(self, bindings: dict, instance_id: str, chunks: Iterable[bytes]) -> tuple[str, dict]:
+        """Views of the chunk hashes that fencing ``instance_id`` touches (its L1 chunks,
+        each once: ``BindingStore.l1_chunks_of``)."""
         self._fenced = instance_id
         # sorted: a set's order follows the per-process hash seed, and the changes must not
-        return instance_id, {h: self._view(bindings[h], False) for h in sorted(chunks or ())}
+        return instance_id, {h: self._view(bindings[h], False) for h in sorted(chunks)}
 
     # ------------------------------------------------------------------ after
     def after_fence(self, bindings: dict, token: tuple[str, dict]) -> None:

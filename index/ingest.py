@@ -223,7 +223,7 @@ class IngestPath:
             self._flush()
             if watch is None:
                 return self.store.fence(instance_id)
-            token = watch.before_fence(self.store.bindings, instance_id, self.store.l1_chunks.get(instance_id))
+            token = watch.before_fence(self.store.bindings, instance_id, self.store.l1_chunks_of(instance_id))
             try:  # a fence from outside the event stream: a batch boundary of its own
                 result = self.store.fence(instance_id)
                 watch.after_fence(self.store.bindings, token)
@@ -280,7 +280,7 @@ class IngestPath:
             try:
                 if verdict is Admission.FENCE_AND_APPLY:
                     fence = watch.before_fence(self.store.bindings, batch.instance_id,
-                                               self.store.l1_chunks.get(batch.instance_id)) if watch else None
+                                               self.store.l1_chunks_of(batch.instance_id)) if watch else None
                     result = self.store.fence(batch.instance_id)
                     if watch:
                         watch.after_fence(self.store.bindings, fence)  # type: ignore[arg-type]
@@ -457,10 +457,9 @@ class IngestPath:
         lengths = column.lengths
         bindings = store.bindings
         l1_inst = batch.instance_id if batch.tier == L1 and not batch.shared else None
-        l1_set = store.l1_chunks.setdefault(l1_inst, set()) if l1_inst is not None else None
+        gained: list[bytes] = []  # chunk hashes of keys that gained a private L1 copy on l1_inst
         placements: dict[int, Placement] = {}
         pending = _BatchAdds()
-        new_l1_keys = 0
         hashes, scopes, sizes, offsets = entries.chunk_hashes, entries.scopes, entries.sizes, entries.offsets
         for i in rows:
             h, scope, size = hashes[i], scopes[i], sizes[i]
@@ -472,14 +471,13 @@ class IngestPath:
                 b = bindings[h] = Binding(())
             _, new_ns, gained_l1 = store.upsert(b, scope, p)
             if gained_l1:
-                l1_set.add(h)  # type: ignore[union-attr]
-                new_l1_keys += 1
+                gained.append(h)
             if lengths[i]:
                 self._store_content(b, h, scope, column, i, offsets[i], new_ns, pending)
             elif new_ns and b.indexed and b.tokens is not None:
                 self._claim(b, h, (scope.namespace,), pending, -1)
-        if l1_inst is not None and new_l1_keys:
-            store.l1_keys[l1_inst] = store.l1_keys.get(l1_inst, 0) + new_l1_keys
+        if gained:
+            store.log_l1(l1_inst, gained)  # type: ignore[arg-type]
         pending.seal(self._adds, column)
 
     def _bind_new(self, batch: EventBatch, rows: Sequence[int]) -> None:

@@ -23,6 +23,7 @@ import pytest
 from blendmatch.index.wire_models import wire_batch, wire_entry
 
 from ckpt_workload import token_offsets
+from blendmatch.index import bindings as bindings_mod
 from blendmatch.index.key_directory import SHARED_POOL_INSTANCE, KeyDirectory
 from blendmatch.index.types import BlendNamespace, ObjectKey, pack_kv_rank
 
@@ -186,6 +187,10 @@ def _check(d: KeyDirectory, naive: Naive, rng: random.Random, pool: list[list[in
         for inst in {i[0] for i in idents if i[1] == "l1" and i[0] != SHARED_POOL_INSTANCE}:
             want_sets.setdefault(inst, set()).add(key[0])
     assert {i: c for i, c in d._l1_chunks.items() if c} == want_sets, f"step {step}"
+    # ... and the logs they are filtered from stay bounded by the instance's L1 keys
+    store = d._store
+    for inst, log in store.l1_log.items():
+        assert len(log) <= 2 * want_l1.get(inst, 0) + bindings_mod._L1_LOG_SLACK, f"step {step}: {inst}"
     assert stats["blend_index"]["num_chunks"] == _indexable_chunks(naive)
 
 
@@ -250,6 +255,15 @@ def _run(seed: int, steps: int) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_random_stream_matches_naive_model(seed: int) -> None:
     _run(seed, steps=250)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_stream_with_l1_logs_compacted_at_once(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No slack: each instance's L1 log is compacted whenever it holds more entries than
+    twice its L1 keys, so the stream crosses many compactions (and fences walk logs with
+    stale and repeated entries): the same answers as the naive model, logs bounded."""
+    monkeypatch.setattr(bindings_mod, "_L1_LOG_SLACK", 0)
+    _run(100 + seed, steps=250)
 
 
 def test_bulk_batches_match_naive_model() -> None:

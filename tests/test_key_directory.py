@@ -184,6 +184,43 @@ def test_fencing_leaves_other_instances_alone(d, feed):
     assert d.stats()["l1_keys_per_instance"] == {"b": 1}
 
 
+def test_fencing_skips_l1_log_entries_of_chunks_gone_or_moved(d, feed):
+    """The per-instance L1 log (bindings.py) is not cleaned on a delete: a fence walks
+    entries whose chunk is unbound, re-bound without an L1 copy there, or logged twice."""
+    feed.store("a", E(1, X, offset=0), E(2, Y, offset=4), E(3))
+    feed.store("a", E(3, group=1))  # a second key of chunk 3 on a: logged twice
+    feed.delete("a", E(1))  # chunk 1 unbound: a stale entry
+    feed.delete("a", E(2))
+    feed.store("b", E(2, Y, offset=4))  # chunk 2 re-bound, with b's copy only
+    store = d._store
+    assert store.l1_log["a"].count(H(3)) == 2 and H(1) in store.l1_log["a"]
+    assert d._l1_chunks == {"a": {H(3)}, "b": {H(2)}}
+    assert d.fence_instance("a") == (2, 2)  # chunk 3's two keys; nothing else touched
+    assert hits(d, Y) == [(H(2), 4, 0)]
+    assert d._l1_chunks == {"b": {H(2)}} and "a" not in store.l1_log
+
+
+def test_l1_logs_stay_bounded_under_churn_and_go_with_the_last_key(d, feed):
+    """Store-and-delete churn on one instance (one chunk kept throughout): its log is
+    compacted back, never holding more than twice its L1 keys plus the slack; the log goes
+    when the instance's last L1 key goes; the checkpoint state lists each chunk once."""
+    from blendmatch.index.bindings import _L1_LOG_SLACK
+
+    feed.store("a", E(0))
+    store = d._store
+    longest = 0
+    for round_ in range(6):
+        batch = [E(1 + round_ * 3000 + i) for i in range(3000)]
+        feed.store("a", *batch)
+        feed.delete("a", *batch)
+        longest = max(longest, len(store.l1_log["a"]))
+    assert longest <= 2 * 1 + _L1_LOG_SLACK  # 18,001 entries logged in all
+    assert d.stats()["l1_keys_per_instance"] == {"a": 1}
+    assert d.export_state()["l1_chunks"] == {"a": [H(0)]}
+    feed.delete("a", E(0))
+    assert "a" not in store.l1_log and d.export_state()["l1_chunks"] == {}
+
+
 def test_stores_before_enabling_are_not_back_filled():
     d = KeyDirectory()
     feed = Feed(d)
