@@ -39,7 +39,8 @@ class QueryBatch:
             raise ValueError(f"tokens must be 1-D uint32, got {self.tokens.dtype} {self.tokens.shape}")
         if self.offsets.dtype != np.int64 or self.offsets.ndim != 1 or self.offsets.size < 1:
             raise ValueError("offsets must be a non-empty 1-D int64 array")
-        if self.offsets[0] != 0 or self.offsets[-1] != self.tokens.size or np.any(np.diff(self.offsets) < 0):
+        offsets = self.offsets
+        if offsets[0] != 0 or offsets[-1] != self.tokens.size or (offsets[1:] < offsets[:-1]).any():
             raise ValueError("offsets must start at 0, end at len(tokens) and never decrease")
 
     @classmethod

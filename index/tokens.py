@@ -39,6 +39,7 @@ from __future__ import annotations
 import base64
 import binascii
 from array import array
+from itertools import accumulate
 from operator import attrgetter
 from typing import Any, Optional, Sequence
 
@@ -230,9 +231,9 @@ def decode_query_tokens(sources: Sequence[np.ndarray | str | bytes | memoryview]
     buffer, a uint32 array is copied into it; nothing is joined or concatenated first
     (``docs/architecture.md`` counts the copies)."""
     flat, spans, errors = _decode_flat(sources, field, True)
-    lengths = [0 if k in errors else hi - lo for k, (lo, hi) in enumerate(spans)]
-    offsets = np.zeros(len(sources) - len(errors) + 1, dtype=np.int64)
-    np.cumsum([n for k, n in enumerate(lengths) if k not in errors], out=offsets[1:])
+    kept = [hi - lo for k, (lo, hi) in enumerate(spans) if k not in errors]
+    # accumulate + fromiter: numpy's cumsum of a short list costs more (its list conversion)
+    offsets = np.fromiter(accumulate(kept, initial=0), dtype=np.int64, count=len(kept) + 1)
     offsets.setflags(write=False)
     return flat, offsets, [errors.get(k) for k in range(len(sources))]
 
