@@ -129,10 +129,13 @@ def directory_sections(directory: KeyDirectory, extra: Optional[Mapping[str, Any
     ref[private] = -2
     priv_len = np.fromiter((tokens[i].shape[0] for i in private), dtype=np.int64, count=len(private))
     priv_blob = np.concatenate([tokens[i] for i in private]) if private else np.empty(0, dtype=np.uint32)
-    l1_insts = list(snap["l1_chunks"])
+    # canonical: instances sorted, each one's chunks in binding order (the logs' order
+    # depends on when each was compacted, which a replica's history decides)
+    l1_insts = sorted(snap["l1_chunks"])
     if l1_insts:
         pos = {h: i for i, h in enumerate(hashes)}
-        l1_pos = np.fromiter((pos[h] for inst in l1_insts for h in snap["l1_chunks"][inst]), dtype=np.int64)
+        l1_pos = np.concatenate([np.sort(np.fromiter((pos[h] for h in snap["l1_chunks"][inst]), dtype=np.int64))
+                                 for inst in l1_insts])
     else:
         l1_pos = np.empty(0, dtype=np.int64)
     dir_doc = {"bindings": n, "scopes": scopes, "placements": placements, "members": table,

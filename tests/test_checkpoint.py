@@ -210,3 +210,28 @@ def test_inspect_reports_and_verifies(tmp_path):
     assert report["stream_position"] == {"offset": 3}
     assert set(report["sections"]) == {"meta", "gate", "directory", "index", "stream_position"}
     assert abs(report["created"] - time.time()) < 60
+
+
+def test_l1_section_does_not_depend_on_when_logs_were_compacted():
+    """Each instance's L1 chunks are logged in the order they gained a copy, stale entries
+    included, until a compaction (bindings.py): two directories that hold the same keys in
+    the same order write the same L1 section, whatever their histories."""
+    from blendmatch.index.checkpoint import directory_sections
+
+    def entries(*names: bytes) -> list:
+        return [wire_entry(h, "m") for h in names]
+
+    a = fresh(blend=False)  # x logged first, its binding gone, then bound again last
+    a.apply({"batches": [wire_batch("a", 1, "store", entries(b"w", b"x")),
+                         wire_batch("a", 2, "delete", entries(b"x")),
+                         wire_batch("a", 3, "store", entries(b"y", b"z")),
+                         wire_batch("a", 4, "store", entries(b"x"))]})
+    b = fresh(blend=False)  # the same keys, each stored once
+    b.apply({"batches": [wire_batch("a", 1, "store", entries(b"w", b"y", b"z")),
+                         wire_batch("a", 2, "store", entries(b"x"))]})
+    assert a.list_keys(limit=None) == b.list_keys(limit=None)
+    assert a._store.l1_chunks_of("a") == [b"w", b"x", b"y", b"z"]
+    assert b._store.l1_chunks_of("a") == [b"w", b"y", b"z", b"x"]
+    sa, sb = directory_sections(a)[0]["directory"], directory_sections(b)[0]["directory"]
+    assert sa.doc["l1_chunks"] == sb.doc["l1_chunks"]
+    assert sa.arrays["l1_pos"].tolist() == sb.arrays["l1_pos"].tolist()
