@@ -272,12 +272,11 @@ class BindingStore:
     def fence(self, instance_id: str) -> FenceResult:
         """Drop every private L1 placement of ``instance_id`` (its memory is gone after a
         restart); keys left without placements die, and with them their namespaces' claims."""
-        log = self.l1_log.pop(instance_id, None)
+        chunks = self.l1_chunks_of(instance_id)
+        self.l1_log.pop(instance_id, None)
         keys_before, placements_before = self.num_keys, self.num_placements
-        for h in dict.fromkeys(log or ()):
-            b = self.bindings.get(h)
-            if b is None:  # a stale log entry (l1_chunks_of)
-                continue
+        for h in chunks:
+            b = self.bindings[h]  # l1_chunks_of is exact: every hash in it is bound
             j = 0
             while j < len(b.members):
                 pls = b.members[j][1]
@@ -336,7 +335,8 @@ class BindingStore:
                 self.l1_keys[inst] = left
                 log = self.l1_log.get(inst)
                 if log is not None and len(log) > 2 * left + _L1_LOG_SLACK:
-                    log[:] = self.l1_chunks_of(inst)  # h may stay (its member is replaced next): harmless
+                    # the key losing its copy is still bound as it was: its chunk may stay, stale
+                    log[:] = self.l1_chunks_of(inst)
             else:  # no key of any chunk holds a private L1 copy there: the log is all stale
                 self.l1_keys.pop(inst, None)
                 self.l1_log.pop(inst, None)

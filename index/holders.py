@@ -142,7 +142,8 @@ class HolderWatch:
         """Views of the chunk hashes that fencing ``instance_id`` touches (its L1 chunks,
         each once: ``BindingStore.l1_chunks_of``)."""
         self._fenced = instance_id
-        # sorted: a set's order follows the per-process hash seed, and the changes must not
+        # sorted: the chunks come in the L1 log's order, which follows when the log was last
+        # compacted; the changes published must not depend on a replica's history
         return instance_id, {h: self._view(bindings[h], False) for h in sorted(chunks)}
 
     # ------------------------------------------------------------------ after
