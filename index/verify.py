@@ -64,19 +64,81 @@ def _claimed(occ, ns, o_claim, k_ns, k_next):  # pragma: no cover - compiled
     return False
 
 
+#: An empty slot of a per-query table (keys are content rows and occupant ids, never negative).
+_EMPTY = -1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _slot(key, mask):  # pragma: no cover - compiled
+    """Fibonacci hashing: content rows and occupant ids are small consecutive integers, and
+    the high bits of their product spread them over the table."""
+    return np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)) & mask
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _get(keys, vals, mask, key, default):  # pragma: no cover - compiled
+    i = _slot(key, mask)
+    while True:
+        k = keys[i]
+        if k == key:
+            return vals[i]
+        if k == _EMPTY:
+            return default
+        i = (i + 1) & mask
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _put(keys, vals, mask, key, val, used, n_used):  # pragma: no cover - compiled
+    """Set ``key`` to ``val``; a new key's slot is noted in ``used`` (so the table is emptied
+    in time linear in what was put, not in its size). Returns the new count of ``used``."""
+    i = _slot(key, mask)
+    while True:
+        k = keys[i]
+        if k == key:
+            vals[i] = val
+            return n_used
+        if k == _EMPTY:
+            keys[i] = key
+            vals[i] = val
+            used[n_used] = i
+            return n_used + 1
+        i = (i + 1) & mask
+
+
 @numba.njit(cache=True, nogil=True)
-def _first_claimed(occ, ns, o_next, o_claim, k_ns, k_next, key_of, seen, exact):  # pragma: no cover - compiled
-    """From occupant ``occ`` on: the first one ``ns`` claims whose key is not in ``seen``
-    (-1 if none), and how many occupants were visited."""
+def _first_claimed(occ, ns, o_next, o_claim, k_ns, k_next, key_of, seen, mask, exact):  # pragma: no cover - compiled
+    """From occupant ``occ`` on: the first one ``ns`` claims whose key is not in the table
+    ``seen`` (-1 if none), and how many occupants were visited."""
     steps = 0
     while occ >= 0:
         steps += 1
         if _claimed(occ, ns, o_claim, k_ns, k_next):
             key = key_of[occ] if exact else occ
-            if key not in seen:
+            if _get(seen, seen, mask, key, _EMPTY) == _EMPTY:
                 return occ, steps
         occ = np.int64(o_next[occ])
     return np.int64(-1), steps
+
+
+@numba.njit(cache=True, nogil=True)
+def _table_size(cq, rows):  # pragma: no cover - compiled
+    """A power of two at least twice the candidates of any one query that could enter the
+    tables (indexed fingerprints): both tables stay at most half full."""
+    most = 0
+    run = 0
+    query = -1
+    for i in range(cq.shape[0]):
+        if rows[i] < 0:
+            continue
+        if cq[i] != query:
+            query = cq[i]
+            run = 0
+        run += 1
+        most = max(most, run)
+    size = 16
+    while size < 2 * most:
+        size *= 2
+    return size
 
 
 # Keeps the GIL (no ``nogil``): it runs under the index lock, and a release there handed the
@@ -94,7 +156,12 @@ def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift
     taken by this query, and both stay true for the rest of the query, so the cursor never
     moves back; tokens are compared once per candidate, never per occupant. "Taken" is by
     occupant id (``exact`` false) or by ``key_of[occupant]`` (equal for occupants with equal
-    chunk hashes; the caller reruns with it when one hash occupied two contents)."""
+    chunk hashes; the caller reruns with it when one hash occupied two contents).
+
+    The per-query state (each content's cursor, the keys taken) lives in two open-addressing
+    tables of arrays, allocated once a batch and emptied between queries by the slots they
+    used: numba's typed dicts, two allocated a query, made the rule 1.5x slower (issue 28,
+    twelfth round)."""
     n = cq.shape[0]
     cap = 64
     out_c = np.empty(cap, dtype=np.int64)
@@ -104,8 +171,15 @@ def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift
     ns_skip = 0
     rejects = 0
     steps = 0
-    cursor = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
-    seen = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
+    size = _table_size(cq, rows)
+    mask = size - 1
+    cursor = np.full(size, _EMPTY, dtype=np.int64)  # content row -> cursor (keys)
+    at_of = np.empty(size, dtype=np.int64)  # ... and its value
+    seen = np.full(size, _EMPTY, dtype=np.int64)  # keys taken by this query (a set: key is value)
+    c_used = np.empty(size, dtype=np.int64)
+    s_used = np.empty(size, dtype=np.int64)
+    n_c = 0
+    n_s = 0
     query = -1
     for i in range(n):
         row = rows[i]
@@ -115,15 +189,20 @@ def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift
         q = cq[i]
         if q != query:
             query = q
-            cursor = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
-            seen = numba.typed.Dict.empty(key_type=numba.types.int64, value_type=numba.types.int64)
+            for j in range(n_c):
+                cursor[c_used[j]] = _EMPTY
+            for j in range(n_s):
+                seen[s_used[j]] = _EMPTY
+            n_c = 0
+            n_s = 0
         ns = q_ns[q]
         if ns < 0:
             ns_skip += 1
             continue
-        at = cursor[row] if row in cursor else np.int64(_UNSEEN)
+        at = _get(cursor, at_of, mask, row, np.int64(_UNSEEN))
         if at == _UNSEEN:  # first candidate of this content in the query: any claim at all?
-            first, walked = _first_claimed(np.int64(c_occ[row]), ns, o_next, o_claim, k_ns, k_next, key_of, seen, exact)
+            first, walked = _first_claimed(np.int64(c_occ[row]), ns, o_next, o_claim, k_ns, k_next, key_of, seen,
+                                           mask, exact)
             steps += walked
             at = first if first >= 0 else _UNCLAIMED
             if first < 0:  # nothing unseen; tell "none claimed" from "all taken"
@@ -134,7 +213,7 @@ def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift
                         at = _TAKEN
                         break
                     occ = o_next[occ]
-            cursor[row] = at
+            n_c = _put(cursor, at_of, mask, row, at, c_used, n_c)
         if at == _UNCLAIMED:
             ns_skip += 1
             continue
@@ -151,13 +230,14 @@ def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift
             continue
         if at < 0:  # every claimed occupant is taken already
             continue
-        occ, walked = _first_claimed(at, ns, o_next, o_claim, k_ns, k_next, key_of, seen, exact)
+        occ, walked = _first_claimed(at, ns, o_next, o_claim, k_ns, k_next, key_of, seen, mask, exact)
         steps += walked
         if occ < 0:
-            cursor[row] = _TAKEN
+            n_c = _put(cursor, at_of, mask, row, np.int64(_TAKEN), c_used, n_c)
             continue
-        seen[key_of[occ] if exact else occ] = 1
-        cursor[row] = np.int64(o_next[occ])
+        key = key_of[occ] if exact else occ
+        n_s = _put(seen, seen, mask, key, key, s_used, n_s)
+        n_c = _put(cursor, at_of, mask, row, np.int64(o_next[occ]), c_used, n_c)
         if k == cap:
             cap *= 2
             nc = np.empty(cap, dtype=np.int64)
