@@ -98,6 +98,7 @@ __all__ = [
     "AccessPolicy",
     "AccessFileError",
     "AccessControl",
+    "Refusal",
     "rule_for",
     "instance_filter",
     "hash_key",
@@ -433,6 +434,16 @@ def instance_filter(scope: Mapping[str, Any]) -> Callable[[str], bool] | None:
     return lambda instance_id: any(g.may_produce_for(instance_id) for g in producers)
 
 
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """What access control answers instead of the route: ``status`` (401 or 403), a
+    ``detail`` for the JSON body, extra response headers."""
+
+    status: int
+    detail: str
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
 class AccessControl:
     """Pure ASGI middleware, outermost (before the fast path and FastAPI), so that no route,
     present or future, is reachable without passing :data:`ROUTE_POLICY`.
@@ -471,11 +482,23 @@ class AccessControl:
         if kind != "http":  # no websocket routes exist; refuse rather than route
             await send({"type": "websocket.close", "code": 1008})
             return
+        verdict = self.check(scope)
+        if isinstance(verdict, Refusal):
+            await self._reply(send, verdict.status, verdict.detail, verdict.headers)
+            return
+        if verdict is not None:
+            scope[SCOPE_KEY] = verdict
+        await self.app(scope, receive, send)
+
+    def check(self, scope: Scope) -> "Refusal | tuple[Grant, ...] | None":
+        """The policy's answer to an HTTP request, from its method, path, peer and headers:
+        None for an open route (nothing checked), the grants that admit it, or the
+        :class:`Refusal` to answer. The one decision of this layer: the lookup lane
+        (``lane.py``) asks it too, and takes only what it admits."""
         method, path = scope["method"], scope["path"]
         rule, params = rule_for(method, path)
         if rule.open:
-            await self.app(scope, receive, send)
-            return
+            return None
         policy = self.policy
         client = scope.get("client")
         host = client[0] if client else None
@@ -486,25 +509,21 @@ class AccessControl:
             if token is not None:
                 grant = policy.key_grant(token)
                 if grant is None:
-                    await self._reply(send, 401, "unauthorized: the bearer API key is not in the access file "
-                                      "(was it revoked, or is the file not reloaded? see docs/security.md)",
-                                      [(b"www-authenticate", b'Bearer realm="blendmatch"')])
-                    return
+                    return Refusal(401, "unauthorized: the bearer API key is not in the access file "
+                                   "(was it revoked, or is the file not reloaded? see docs/security.md)",
+                                   ((b"www-authenticate", b'Bearer realm="blendmatch"'),))
                 key_name = grant.name
                 grants, roles = (*grants, grant), roles | grant.roles
         if rule.roles.isdisjoint(roles):
-            await self._reply(send, 403, self._deny_detail(policy, method, path, rule, grants, host, key_name))
-            return
+            return Refusal(403, self._deny_detail(policy, method, path, rule, grants, host, key_name))
         if rule.instance_param is not None and "producer" in rule.roles:
             instance_id = params.get(rule.instance_param, "")
             allowed = [g for g in grants if g.roles & rule.roles]
             if not any("producer" not in g.roles or g.may_produce_for(instance_id) for g in allowed):
-                await self._reply(send, 403, f"forbidden: this credential may not act for instance "
-                                  f"{json.dumps(log_safe(instance_id))} (its instance patterns "
-                                  f"do not match; see docs/security.md)")
-                return
-        scope[SCOPE_KEY] = grants
-        await self.app(scope, receive, send)
+                return Refusal(403, f"forbidden: this credential may not act for instance "
+                               f"{json.dumps(log_safe(instance_id))} (its instance patterns "
+                               f"do not match; see docs/security.md)")
+        return tuple(grants)
 
     @staticmethod
     def _deny_detail(policy: AccessPolicy, method: str, path: str, rule: RouteRule, grants: Iterable[Grant],
