@@ -32,6 +32,7 @@ from .config import ServiceConfig
 from .context import ServiceContext
 from .fastpath import FastPath
 from .handlers import install_error_handlers
+from .lane import Lane
 from .middleware import BodyLimitMiddleware
 
 __all__ = ["create_app", "build_openapi", "JSON_BODY_PATHS"]
@@ -67,6 +68,7 @@ class _BlendApp(FastAPI):
     ``FastAPI.__call__`` unchanged."""
 
     _entry: AccessControl | None = None
+    _lane: Lane | None = None
 
     @property
     def access(self) -> AccessControl:
@@ -81,6 +83,20 @@ class _BlendApp(FastAPI):
             entry = self._entry = AccessControl(inner, self.state.blendmatch_access,
                                                 on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
         return entry
+
+    @property
+    def blendmatch_lane(self) -> Lane | None:
+        """What the lookup lane (``lane.py``) needs of this app, read by the HTTP protocol
+        once a connection; None with the fast path off (every request then goes through
+        the framework, the lane's included)."""
+        if not self.state.blendmatch_fast_path:
+            return None
+        lane = self._lane
+        if lane is None:
+            context: ServiceContext = self.state.blendmatch_context
+            lane = self._lane = Lane(context, self.access, int(context.config.max_body_bytes),
+                                     frozenset(JSON_BODY_PATHS))
+        return lane
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         entry = self._entry

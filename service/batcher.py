@@ -195,6 +195,11 @@ class MicroBatcher(Generic[P, R]):
         """Queue one payload and wait for its result (or the batch's exception)."""
         return await self._enqueue(payload)
 
+    def submit_nowait(self, payload: P) -> "asyncio.Future[R]":
+        """:meth:`submit` without a coroutine: the payload's future (cancel it to drop the
+        payload). Raises ``ServiceUnavailable`` when the batcher is not running."""
+        return self._enqueue_nowait(payload)
+
     async def submit_many(self, payloads: Sequence[P], *, return_exceptions: bool = False) -> list[Any]:
         """Queue several payloads back to back (so they tend to share a batch); results in order.
 

@@ -338,14 +338,21 @@ class ServiceContext:
 
         Raises :class:`TokenDecodeError` when its ``tokens_b64`` does not decode.
         """
+        got = self.lookup_nowait(query)
+        result = got if isinstance(got, bytes) else await got
+        if isinstance(result, BaseException):  # the batcher raises per-query failures itself
+            raise result
+        return result
+
+    def lookup_nowait(self, query: LookupQuery) -> "bytes | asyncio.Future[bytes | BaseException]":
+        """:meth:`lookup` without a coroutine (the lookup lane, ``lane.py``): the answer at
+        once (blend lookup disabled), or the batcher's future of the JSON bytes or of the
+        query's own exception. Raises what :meth:`lookup` raises before it waits."""
         self.check_serving()
         if not self.blend_enabled:
             _check_decodes([query])
             return _EMPTY_MATCHES
-        result = await self.lookups.submit(query)
-        if isinstance(result, BaseException):  # the batcher raises per-query failures itself
-            raise result
-        return result
+        return self.lookups.submit_nowait(query)
 
     async def lookup_many(self, queries: list[LookupQuery]) -> list[bytes | BaseException]:
         """Several queries through the batcher; each item is its JSON bytes or its exception."""

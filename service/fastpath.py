@@ -55,7 +55,7 @@ from .routes_lookup import answer_lookup, answer_lookup_batch
 from .routes_route import answer_score
 from .schemas import BlendBatchLookupRequest, BlendLookupRequest, BlendQuery, RouteScoreRequest
 
-__all__ = ["FastPath"]
+__all__ = ["FastPath", "parse_body"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class FastPath:
             return
         model, answer = route
         try:
-            parsed, tokens = _parse(model, body)
+            parsed, tokens = parse_body(model, body)
         except Exception:  # noqa: BLE001 - any failure: the route produces the canonical 4xx
             await self.app(scope, replay(body, tail, receive), send)
             return
@@ -144,7 +144,7 @@ class FastPath:
         await send_json(send, 200, payload)
 
 
-def _parse(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
+def parse_body(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
     """``(validated model, tokens)``. A body with ``token_ids`` arrays has them taken out of
     the text as uint32 first (``split_token_arrays``: no Python int per id, ~4x faster than
     parsing the list), the rest is validated by the route's own model with each array

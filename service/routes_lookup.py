@@ -31,7 +31,7 @@ from .schemas import (
     ErrorResponse,
 )
 
-__all__ = ["router", "ERROR_RESPONSES", "answer_lookup", "answer_lookup_batch", "query_of"]
+__all__ = ["router", "ERROR_RESPONSES", "answer_lookup", "answer_lookup_batch", "checked_query", "query_of"]
 
 router = APIRouter(tags=["lookup"])
 
@@ -53,6 +53,15 @@ def query_of(body: BlendLookupRequest, where: str = "body") -> LookupQuery:
         raise InvalidRequest(f"{where}.{exc}") from None
 
 
+def checked_query(ctx: ServiceContext, body: BlendLookupRequest, tokens: Any = None) -> LookupQuery:
+    """One validated lookup as the batcher's query, its token count checked (413 over the
+    limit): the first step of the route, the fast path and the lookup lane (``lane.py``).
+    ``tokens``: the ids already taken out of the body, in place of ``body``'s fields."""
+    query = (tokens, body.namespace) if tokens is not None else query_of(body)
+    ctx.check_tokens(query_tokens(query))
+    return query
+
+
 def placed(ctx: ServiceContext, body: BlendLookupRequest, query: LookupQuery) -> LookupQuery:
     """``query`` answered with placements (``include_placements``, issue 26: ``routing.py``)."""
     return (*query[:2], PlacedMatches(directory=ctx.directory, registry=ctx.registry,
@@ -64,8 +73,7 @@ async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest, tokens: A
     ``tokens``: the query's ids already taken out of the body as uint32 (the fast path's
     ``split_token_arrays``), in place of ``body.token_ids``."""
     t0 = time.perf_counter()
-    query = (tokens, body.namespace) if tokens is not None else query_of(body)
-    ctx.check_tokens(query_tokens(query))
+    query = checked_query(ctx, body, tokens)
     try:
         payload = await ctx.lookup(query) if not body.include_placements else await finish(ctx, placed(ctx, body, query))
     except TokenDecodeError as exc:
