@@ -144,7 +144,7 @@ class FastPath:
         await send_json(send, 200, payload)
 
 
-def parse_body(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
+def parse_body(model: type[BaseModel], body: bytes, *, failures_elsewhere: bool = False) -> tuple[Any, Any]:
     """``(validated model, tokens)``. A body with ``token_ids`` arrays has them taken out of
     the text as uint32 first (``split_token_arrays``: no Python int per id, ~4x faster than
     parsing the list), the rest is validated by the route's own model with each array
@@ -154,9 +154,11 @@ def parse_body(model: type[BaseModel], body: bytes) -> tuple[Any, Any]:
     ambiguous (a ``token_ids`` key nested in an unknown field, a key given twice), the body
     is validated as sent. A single lookup that opens with ``tokens_b64`` has its string
     taken out the same way (``split_b64_value``); its bytes go to the lookup thread's
-    decoder. Raises what validation raises."""
+    decoder. Raises what validation raises. ``failures_elsewhere``: the caller answers only
+    successes and hands every failure to the app (the lookup lane): the string's ASCII test
+    is left to the decoder (``split_b64_value``'s ``require_ascii``)."""
     if issubclass(model, BlendQuery):  # one query: a lookup or a routing score
-        taken = split_b64_value(body)
+        taken = split_b64_value(body, require_ascii=not failures_elsewhere)
         if taken is not None:
             value, text = taken
             return model.model_validate_json(text), value

@@ -93,6 +93,30 @@ class _Resume:
         pass
 
 
+class _Body:
+    """The body as the parser hands it over, in pieces: uvicorn's ``on_body`` adds each
+    with ``+=`` and reads ``len``. One piece (the norm for a lookup on loopback) is the body
+    itself, with none of the two copies a ``bytearray`` and ``bytes()`` of it make."""
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.size = 0
+
+    def __iadd__(self, piece: bytes) -> "_Body":
+        self.pieces.append(piece)
+        self.size += len(piece)
+        return self
+
+    def __len__(self) -> int:
+        return self.size
+
+    def whole(self) -> bytes:
+        pieces = self.pieces
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 class LaneCycle:
     """The request in progress on a connection while the lane answers it: the attributes of
     uvicorn's ``RequestResponseCycle`` that the protocol, the limits and a shutdown use."""
@@ -102,7 +126,7 @@ class LaneCycle:
 
     def __init__(self, scope: Any, flow: Any, keep_alive: bool) -> None:
         self.scope = scope
-        self.body = bytearray()
+        self.body = _Body()
         self.more_body = True
         self.message_event = _Resume(flow)
         self.response_started = False
@@ -149,9 +173,9 @@ def start(proto: Any, lane: Lane) -> bool:
 def finish(proto: Any, lane: Lane, cycle: LaneCycle) -> None:
     """The body is complete: queue the lookup, or hand the request to uvicorn's cycle."""
     cycle.more_body = False
-    body = bytes(cycle.body)
+    body = cycle.body.whole()
     try:
-        parsed, tokens = parse_body(BlendLookupRequest, body)
+        parsed, tokens = parse_body(BlendLookupRequest, body, failures_elsewhere=True)
         cycle.t0 = time.perf_counter()  # where the route's answer_lookup starts its clock
         if parsed.include_placements:
             raise LookupError("placements: the route's path")
@@ -181,9 +205,9 @@ def _answer(proto: Any, lane: Lane, cycle: LaneCycle, payload: bytes) -> None:
     if cycle.disconnected or cycle.response_complete:
         return
     cycle.response_started = True
-    transport = proto.transport
-    transport.write(response_head(proto.server_state.default_headers, len(payload), cycle.keep_alive))
-    transport.write(payload)
+    transport = proto.transport  # limits' counting transport: one send for head and body
+    transport.write_whole(response_head(proto.server_state.default_headers, len(payload), cycle.keep_alive)
+                          + payload)
     cycle.response_complete = True
     if not cycle.keep_alive:
         transport.close()
@@ -193,15 +217,21 @@ def _answer(proto: Any, lane: Lane, cycle: LaneCycle, payload: bytes) -> None:
 
 def response_head(default_headers: Any, length: int, keep_alive: bool) -> bytes:
     """The head uvicorn writes for a 200 with ``http_rules.send_json``'s headers (its
-    default headers first, names lower-cased; ``connection: close`` when not kept alive)."""
-    parts = [STATUS_LINE[200]]
-    for name, value in default_headers:
-        parts += (name.lower(), b": ", value, b"\r\n")
-    parts.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % length)
-    if not keep_alive:
-        parts.append(b"connection: close\r\n")
-    parts.append(b"\r\n")
-    return b"".join(parts)
+    default headers first, names lower-cased; ``connection: close`` when not kept alive).
+    The part before the length is kept while uvicorn's default headers stay the same list
+    (it builds a new one when the ``date`` header changes, once a second)."""
+    cache = _HEAD_START
+    if cache[0] is not default_headers:
+        parts = [STATUS_LINE[200]]
+        for name, value in default_headers:
+            parts += (name.lower(), b": ", value, b"\r\n")
+        parts.append(b"content-type: application/json\r\ncontent-length: ")
+        cache[:] = [default_headers, b"".join(parts)]
+    return cache[1] + (b"%d\r\n\r\n" % length if keep_alive else b"%d\r\nconnection: close\r\n\r\n" % length)
+
+
+#: ``[uvicorn's default headers list, the head up to the length]`` of the last answer.
+_HEAD_START: list[Any] = [None, b""]
 
 
 def fall_back(proto: Any, cycle: LaneCycle, body: bytes) -> None:

@@ -234,6 +234,19 @@ class _CountingTransport:
             self._held = bytes(data)
             self._conn.loop.call_soon(self._release)
             return
+        self._put(transport, data)
+
+    def write_whole(self, data: bytes) -> None:
+        """A whole response (head and body) at once: nothing to hold back."""
+        transport = self._transport
+        if transport.is_closing():
+            return
+        if self._held is not None:  # cannot happen between whole responses; kept in order if it does
+            data = self._held + data
+            self._held = None
+        self._put(transport, data)
+
+    def _put(self, transport: asyncio.Transport, data: Any) -> None:
         if self._fd >= 0 and data and not transport.get_write_buffer_size():
             try:
                 sent = _send(self._fd, data)

@@ -161,6 +161,26 @@ def test_what_the_lane_does_not_answer_the_app_answers(lane_calls, body, status)
     assert lane_calls["taken"] == lane_calls["finished"] == 1
 
 
+def test_bytes_outside_ascii_answer_as_the_app(lane_calls):
+    """The lane leaves the string's ASCII test to the decoder: a byte outside ASCII inside
+    ``tokens_b64`` is refused there (and the app answers), one outside the string is the
+    model's to judge, as in the app."""
+    rows = chunks(2, seed=11)
+    good = b64(rows[0])
+    bodies = [('{"tokens_b64": "%s\u00e9%s", "model_name": "%s"}' % (good[:8], good[8:], MODEL)).encode(),
+              ('{"tokens_b64": "%s\u00e9", "model_name": "%s"}' % (good[:-4], MODEL)).encode(),
+              ('{"tokens_b64": "%s", "model_name": "mod\u00e8le"}' % good).encode(),
+              ('{"tokens_b64": "%s", "model_name": "%s", "cache_salt": "s\u00e9l"}' % (good, MODEL)).encode()]
+    with Served() as srv:
+        fill(srv, rows)
+        for body in bodies:
+            body = body.decode("unicode_escape").encode("utf-8")
+            assert not body.isascii()
+            via_lane = ask(srv, LANE, body)
+            assert undated(via_lane) == undated(ask(srv, APP, body)), via_lane[:300]
+    assert lane_calls["taken"] == len(bodies)
+
+
 def test_requests_the_lane_leaves_alone(lane_calls):
     body = lookup(np.arange(20, dtype=np.uint32))
     with Served() as srv:
