@@ -1,4 +1,4 @@
-"""A response's head and body leave in one write (``service/limits.py``, ``_CountingTransport``;
+"""A response's head and body leave in one write (``service/counting_transport.py``, ``CountingTransport``;
 issue 28: each send is a syscall made with the GIL held), and that write goes straight to
 the socket without the GIL when the transport has nothing queued.
 
@@ -15,6 +15,7 @@ import asyncio
 import socket
 import time
 
+from blendmatch.service import counting_transport as transport_mod
 from blendmatch.service import limits as limits_mod
 
 
@@ -68,7 +69,7 @@ def test_head_and_body_are_one_write_and_a_lone_head_leaves_at_the_end_of_the_it
     async def main() -> None:
         loop = asyncio.get_running_loop()
         raw, conn = _Raw(), _Conn(loop)
-        t = limits_mod._CountingTransport(raw, conn)  # type: ignore[arg-type]
+        t = transport_mod.CountingTransport(raw, conn)  # type: ignore[arg-type]
         t.write(HEAD)
         assert raw.writes == []  # held for the body
         t.write(b"{}")
@@ -89,7 +90,7 @@ def test_head_and_body_are_one_write_and_a_lone_head_leaves_at_the_end_of_the_it
         assert raw.writes.count(HEAD) == 1  # not twice
 
         raw2 = _Raw()
-        t2 = limits_mod._CountingTransport(raw2, _Conn(loop))  # type: ignore[arg-type]
+        t2 = transport_mod.CountingTransport(raw2, _Conn(loop))  # type: ignore[arg-type]
         t2.write(HEAD)
         raw2.closed = True  # the peer left: nothing is written into a closing transport
         await asyncio.sleep(0)
@@ -111,14 +112,14 @@ def test_uvicorn_answers_with_one_write_per_response(monkeypatch) -> None:
     def connection_made(self, transport):
         return real_made(self, _Recording(transport, writes))
 
-    real_send = limits_mod._send
+    real_send = transport_mod._send
 
     def send(fd, data):
         direct.append(bytes(data))
         return real_send(fd, data)
 
     monkeypatch.setattr(limits_mod._LimitedProtocol, "connection_made", connection_made)
-    monkeypatch.setattr(limits_mod, "_send", send)
+    monkeypatch.setattr(transport_mod, "_send", send)
     with Served() as srv:
         with srv.connect() as s:
             for k in range(5):
@@ -141,14 +142,14 @@ def test_a_write_bypasses_the_transport_only_while_nothing_is_queued(monkeypatch
     except ImportError:  # pragma: no cover - the server's default loop then
         new_loop = asyncio.new_event_loop
     direct: list[int] = []
-    real_send = limits_mod._send
+    real_send = transport_mod._send
 
     def send(fd, data):
         direct.append(-1)  # tried; the count it sent replaces it
         direct[-1] = real_send(fd, data)
         return direct[-1]
 
-    monkeypatch.setattr(limits_mod, "_send", send)
+    monkeypatch.setattr(transport_mod, "_send", send)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -157,7 +158,7 @@ def test_a_write_bypasses_the_transport_only_while_nothing_is_queued(monkeypatch
 
         class Proto(asyncio.Protocol):
             def connection_made(self, transport):
-                made.set_result(limits_mod._CountingTransport(_Recording(transport, queued), _Conn(loop)))
+                made.set_result(transport_mod.CountingTransport(_Recording(transport, queued), _Conn(loop)))
 
         server = await loop.create_server(Proto, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -225,13 +226,13 @@ def test_tls_and_socketless_transports_write_through_the_transport(monkeypatch) 
 
     a, b = socket.socketpair()
     try:
-        assert limits_mod._plain_socket_fd(Info(socket=a)) == a.fileno()
-        assert limits_mod._plain_socket_fd(Info(socket=a, sslcontext=object())) == -1
-        assert limits_mod._plain_socket_fd(Info(socket=a, ssl_object=object())) == -1
-        assert limits_mod._plain_socket_fd(Info()) == -1
-        assert limits_mod._plain_socket_fd(object()) == -1
-        monkeypatch.setattr(limits_mod.os, "name", "nt")  # a socket is no fd for os.write there
-        assert limits_mod._plain_socket_fd(Info(socket=a)) == -1
+        assert transport_mod._plain_socket_fd(Info(socket=a)) == a.fileno()
+        assert transport_mod._plain_socket_fd(Info(socket=a, sslcontext=object())) == -1
+        assert transport_mod._plain_socket_fd(Info(socket=a, ssl_object=object())) == -1
+        assert transport_mod._plain_socket_fd(Info()) == -1
+        assert transport_mod._plain_socket_fd(object()) == -1
+        monkeypatch.setattr(transport_mod.os, "name", "nt")  # a socket is no fd for os.write there
+        assert transport_mod._plain_socket_fd(Info(socket=a)) == -1
     finally:
         a.close()
         b.close()
