@@ -80,13 +80,14 @@ class _Resume:
     resumes it, so a set resumes reading here (the body is bounded already: its length was
     checked against ``--max-body-bytes`` and it counts toward the bytes in flight)."""
 
-    __slots__ = ("flow",)
+    __slots__ = ("flow", "transport")
 
-    def __init__(self, flow: Any) -> None:
+    def __init__(self, flow: Any, transport: Any) -> None:
         self.flow = flow
+        self.transport = transport
 
-    def set(self) -> None:
-        if self.flow.read_paused:
+    def set(self) -> None:  # also called on a disconnect: nothing to resume then
+        if self.flow.read_paused and not self.transport.is_closing():
             self.flow.resume_reading()
 
     def clear(self) -> None:
@@ -124,11 +125,11 @@ class LaneCycle:
     __slots__ = ("scope", "body", "more_body", "message_event", "response_started", "response_complete",
                  "disconnected", "keep_alive", "on_response", "_bm_body", "t0")
 
-    def __init__(self, scope: Any, flow: Any, keep_alive: bool) -> None:
+    def __init__(self, scope: Any, flow: Any, transport: Any, keep_alive: bool) -> None:
         self.scope = scope
         self.body = _Body()
         self.more_body = True
-        self.message_event = _Resume(flow)
+        self.message_event = _Resume(flow, transport)
         self.response_started = False
         self.response_complete = False
         self.disconnected = False
@@ -164,7 +165,7 @@ def start(proto: Any, lane: Lane) -> bool:
         return False
     if verdict is not None:
         scope[SCOPE_KEY] = verdict
-    cycle = LaneCycle(scope, proto.flow, parser.should_keep_alive())
+    cycle = LaneCycle(scope, proto.flow, proto.transport, parser.should_keep_alive())
     proto.cycle = cycle
     proto._bm_active = cycle
     return True

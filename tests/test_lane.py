@@ -148,7 +148,10 @@ def test_lane_answers_exactly_as_the_app(lane_calls):
         bodies = [lookup(np.concatenate([other[:5], rows[2], other[5:9], rows[6], other[9:]])),  # two matches
                   lookup(other),  # none
                   lookup(rows[1], cache_salt="another tenant"),  # another namespace: none
-                  json.dumps({"model_name": MODEL, "token_ids": rows[4].tolist()}).encode()]  # the ids form
+                  json.dumps({"model_name": MODEL, "token_ids": rows[4].tolist()}).encode(),  # the ids form
+                  # over uvicorn's 64 KiB read pause: the lane resumes reading itself
+                  lookup(np.concatenate([np.random.default_rng(2).integers(60_000, 90_000, 20_000, dtype=np.uint32),
+                                         rows[7]]))]
         for body in bodies:
             via_lane = ask(srv, LANE, body)
             assert via_lane.startswith(b"HTTP/1.1 200 OK\r\n")
@@ -221,11 +224,17 @@ def test_pipelined_split_and_kept_alive(lane_calls):
                 s.sendall(piece)
                 time.sleep(0.05)
             assert undated(read_response(s)) == expect_b
+            big = lookup(np.concatenate([np.arange(25_000, dtype=np.uint32) + 60_000, rows[1]]))
+            raw = post(LANE, big)  # over 64 KiB, in two reads: uvicorn pauses reading after the first
+            s.sendall(raw[:70_000])
+            time.sleep(0.1)
+            s.sendall(raw[70_000:])
+            assert b'"ab0000000000000001"' in read_response(s)
             s.sendall(post(LANE, a, b"Connection: close\r\n"))
             last = read_response(s)
             assert b"\r\nconnection: close\r\n" in last
             assert s.recv(100) == b""  # closed after the answer
-    assert lane_calls["taken"] >= 3  # the first of the pipelined pair, the pieces, the last
+    assert lane_calls["taken"] >= 4  # the first of the pipelined pair, the pieces, the big one, the last
 
 
 def test_the_lane_asks_access_control(tmp_path: Path, lane_calls):
@@ -242,6 +251,18 @@ def test_the_lane_asks_access_control(tmp_path: Path, lane_calls):
             assert refused.startswith(b"HTTP/1.1 401 " if extra else b"HTTP/1.1 403 ")
             assert undated(refused) == undated(ask(srv, APP, body, extra))
         assert lane_calls["taken"] == 1
+
+
+def test_a_client_gone_before_its_answer(lane_calls):
+    """The answer of a client that closed first is dropped; the server serves on."""
+    body = lookup(np.arange(4000, dtype=np.uint32))
+    with Served() as srv:
+        for _ in range(5):
+            s = srv.connect()
+            s.sendall(post(LANE, body))
+            s.close()
+        assert ask(srv, LANE, body).startswith(b"HTTP/1.1 200 ")
+    assert lane_calls["taken"] == 6
 
 
 def test_lane_requests_leave_no_reference_cycles(lane_calls):
