@@ -27,19 +27,22 @@ from service_support import b64, config, served
 
 
 class Served:
-    """The app under uvicorn with ``HttpLimits`` from ``cfg`` (as ``blendmatch serve`` runs it)."""
+    """The app under uvicorn with ``HttpLimits`` from ``cfg`` (as ``blendmatch serve`` runs it;
+    ``cli_uvicorn``: also uvicorn's other settings as the CLI gives them, no proxy headers and
+    no access log, under which the lookup lane runs: ``tests/test_lane.py``)."""
 
-    def __init__(self, **overrides: Any) -> None:
+    def __init__(self, *, cli_uvicorn: bool = False, **overrides: Any) -> None:
         self.cfg = config(**overrides)
-        app = create_app(self.cfg)
+        self.app = app = create_app(self.cfg)
         metrics = app.state.blendmatch_context.metrics
         self.limits = HttpLimits.from_config(self.cfg, registry=metrics.registry,
                                              on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
+        cli = {"proxy_headers": False, "access_log": False} if cli_uvicorn else {}
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    http=self.limits.protocol_class))
+                                                    http=self.limits.protocol_class, **cli))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "Served":

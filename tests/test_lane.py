@@ -13,7 +13,6 @@ import gc
 import json
 import re
 import socket
-import threading
 import time
 import weakref
 from pathlib import Path
@@ -21,50 +20,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 
 from blendmatch.service import limits as limits_mod
 from blendmatch.service.access import hash_key
-from blendmatch.service.app import create_app
-from blendmatch.service.limits import HttpLimits
 
-from service_support import MODEL, b64, chunks, config, events, metric_samples, store
+from service_support import MODEL, b64, chunks, events, metric_samples, store
+from test_http_limits import Served as _Served
 
 LANE = b"/directory/blend-lookup"
 APP = b"/directory/blend-lookup?via=app"
 
 
-class Served:
-    """The app under uvicorn in a thread, as ``blendmatch serve`` runs it."""
+class Served(_Served):
+    """The app under uvicorn as ``blendmatch serve`` runs it (the lane's settings)."""
 
     def __init__(self, **overrides: Any) -> None:
-        self.cfg = config(**overrides)
-        self.app = create_app(self.cfg)
-        metrics = self.app.state.blendmatch_context.metrics
-        self.limits = HttpLimits.from_config(self.cfg, registry=metrics.registry)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", proxy_headers=False,
-                                                    access_log=False,
-                                                    http=self.limits.protocol_class))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "Served":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-    def connect(self) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        super().__init__(cli_uvicorn=True, **overrides)
 
 
 def post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
