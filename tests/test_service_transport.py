@@ -83,16 +83,17 @@ def test_tls_responses_go_through_the_transport_with_the_served_protocol(pki, mo
     never sent straight to the socket (that path is for plain TCP only: it would bypass the
     encryption), and every answer arrives whole, small and large, on one keep-alive
     connection."""
+    from blendmatch.service import counting_transport as transport_mod
     from blendmatch.service import limits as limits_mod
 
     direct: list[int] = []
-    real_send = limits_mod._send
+    real_send = transport_mod._send
 
     def send(fd, data):
         direct.append(len(data))
         return real_send(fd, data)
 
-    monkeypatch.setattr(limits_mod, "_send", send)
+    monkeypatch.setattr(transport_mod, "_send", send)
     d = pki["dir"]
     cfg = config(ssl_certfile=str(d / "server.pem"), ssl_keyfile=str(d / "server.key"))
     app = create_app(cfg)
