@@ -22,6 +22,7 @@ not render reStructuredText.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import logging
@@ -277,6 +278,10 @@ def _serve(argv: Sequence[str]) -> int:
         # uvicorn captures SIGINT/SIGTERM only; SIGHUP stays ours. The handler runs on the
         # main thread between bytecodes and swaps one attribute: no request sees half a policy.
         signal.signal(signal.SIGHUP, lambda signum, frame: control.reload())
+    # A crash in native code (numba kernels, librdkafka, numpy) would end the process with a
+    # bare exit status; with faulthandler it first writes every thread's Python stack to
+    # stderr (the server's log), so the crash names where each thread was.
+    faulthandler.enable()
     # A long-running server: park the start-up objects (numba, pydantic, FastAPI; ~150k of
     # them) in the permanent generation so that the collector's full passes stop walking them.
     gc.collect()

@@ -60,6 +60,23 @@ def test_cli_serves_with_lmcache_style_flags(tmp_path):
     assert len(startup) == 1 and "engine cpu (asked for by name)" in startup[0], log
 
 
+def test_a_crashed_server_leaves_every_thread_stack_in_its_log(tmp_path):
+    """A native crash (here a SIGSEGV sent to it) ends ``blendmatch serve`` with each
+    thread's Python stack in its log (faulthandler), not with a bare exit status."""
+    import signal
+
+    proc, url = spawn_server(["--chunk-size", str(C), "--engine", "cpu"], log_path=tmp_path / "server.log")
+    try:
+        os.kill(proc.pid, signal.SIGSEGV)
+        assert proc.wait(30) == -signal.SIGSEGV
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "server.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in log, log[-2000:]
+    assert "Current thread" in log and "service/cli.py" in log and "events_thread.py" in log, log[-2000:]
+
+
 def test_cli_help_and_bad_flags():
     out = subprocess.run([sys.executable, "-m", "blendmatch", "serve", "--help"], capture_output=True, text=True,
                          timeout=60)
