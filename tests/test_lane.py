@@ -13,6 +13,7 @@ import gc
 import json
 import re
 import socket
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -234,6 +235,33 @@ def test_a_client_gone_before_its_answer(lane_calls):
             s.close()
         assert ask(srv, LANE, body).startswith(b"HTTP/1.1 200 ")
     assert lane_calls["taken"] == 6
+
+
+def test_a_graceful_stop_answers_the_lookup_in_flight(lane_calls, monkeypatch):
+    """uvicorn's graceful stop sees the lane's request in progress: the lookup is answered,
+    with ``connection: close``, and then the connection closes (nothing cut short)."""
+    from blendmatch.service.context import ServiceContext
+
+    started = threading.Event()
+    run = ServiceContext._run_lookups
+
+    def slow(self, queries):
+        started.set()
+        time.sleep(0.5)
+        return run(self, queries)
+
+    monkeypatch.setattr(ServiceContext, "_run_lookups", slow)
+    body = lookup(np.arange(20, dtype=np.uint32))
+    with Served() as srv:
+        s = srv.connect()
+        s.sendall(post(LANE, body))
+        assert started.wait(5)
+        srv.server.should_exit = True  # what SIGTERM does
+        answer = read_response(s)
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: close\r\n" in answer
+        assert s.recv(100) == b""
+        s.close()
+    assert lane_calls["finished"] == 1
 
 
 def test_lane_requests_leave_no_reference_cycles(lane_calls):
