@@ -109,6 +109,37 @@ def test_tls_responses_go_through_the_transport_with_the_served_protocol(pki, mo
     assert direct == []
 
 
+def test_the_lookup_lane_over_tls_answers_as_the_app(pki, monkeypatch):
+    """The lookup lane (service/lane.py) under TLS, with the uvicorn settings the CLI gives:
+    its answers go through the transport's encryption and equal the app's, headers too."""
+    from blendmatch.service import limits as limits_mod
+
+    finished: list[int] = []
+    finish = limits_mod.lane_finish
+    monkeypatch.setattr(limits_mod, "lane_finish", lambda proto, lane, cycle: finished.append(1) or finish(proto, lane, cycle))
+    d = pki["dir"]
+    cfg = config(ssl_certfile=str(d / "server.pem"), ssl_keyfile=str(d / "server.key"))
+    app = create_app(cfg)
+    limits = limits_mod.HttpLimits.from_config(cfg)
+    ctx = ssl.create_default_context()
+    pki["ca"].configure_trust(ctx)
+    rows = chunks(3, seed=4)
+    with TLSServer(app, cfg, http=limits.protocol_class, proxy_headers=False, access_log=False) as url:
+        with httpx.Client(verify=ctx) as c:
+            assert c.post(f"{url}/events", json=events(store("i", 1, rows))).json()["applied"] == 1
+            for tokens in (rows[1], chunks(1, seed=99)[0]):
+                body = {"tokens_b64": b64(tokens), "model_name": MODEL}
+                lane = c.post(f"{url}/directory/blend-lookup", json=body)
+                app_answer = c.post(f"{url}/directory/blend-lookup?via=app", json=body)
+                assert lane.status_code == app_answer.status_code == 200
+                assert lane.content == app_answer.content
+                assert [(k, v) for k, v in lane.headers.items() if k != "date"] == \
+                    [(k, v) for k, v in app_answer.headers.items() if k != "date"]
+            assert b'"matches":[{' in c.post(f"{url}/directory/blend-lookup",
+                                              json={"tokens_b64": b64(rows[1]), "model_name": MODEL}).content
+    assert len(finished) == 3
+
+
 def test_client_certificates_are_required_with_ssl_ca_certs(pki):
     d = pki["dir"]
     cfg = config(ssl_certfile=str(d / "server.pem"), ssl_keyfile=str(d / "server.key"), ssl_ca_certs=str(d / "ca.pem"))
