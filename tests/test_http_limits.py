@@ -40,7 +40,8 @@ class Served:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        cli = {"proxy_headers": False, "access_log": False} if cli_uvicorn else {}
+        cli = ({"proxy_headers": False, "access_log": False, "timeout_keep_alive": self.cfg.timeout_keep_alive}
+               if cli_uvicorn else {})
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                                     http=self.limits.protocol_class, **cli))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -411,3 +412,45 @@ def test_a_client_gone_while_its_pipelined_responses_are_written_is_no_error(cap
         assert status == 200
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+def test_an_idle_kept_alive_connection_closes_after_the_keep_alive_timeout(monkeypatch):
+    """Keep-alive (limits.py keeps it as a deadline the tick checks, not a timer per
+    response): a connection that keeps talking stays open, a request still being answered
+    when the last response's deadline passes is not cut, and an idle connection is closed
+    once ``--timeout-keep-alive`` has passed (within a tick, here 0.1 s)."""
+    from blendmatch.service.context import ServiceContext
+
+    run = ServiceContext._run_lookups
+    monkeypatch.setattr(ServiceContext, "_run_lookups", lambda self, queries: time.sleep(0.6) or run(self, queries))
+    lookup = json.dumps({"tokens_b64": b64(list(range(20))), "model_name": "m"}).encode()
+    with Served(cli_uvicorn=True, timeout_keep_alive=0.6, header_timeout=0.4, body_timeout=0.4) as srv:
+        assert srv.limits.tick_s == pytest.approx(0.1)
+        with srv.connect() as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert _read_answer(s).startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.3)  # then a lookup that takes 0.6 s: the healthz answer's deadline passes meanwhile
+            s.sendall(b"POST /directory/blend-lookup HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(lookup), lookup))
+            assert _read_answer(s).startswith(b"HTTP/1.1 200 ")
+            for _ in range(6):  # 1.8 s of requests 0.3 s apart, each within the timeout of the last
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+                assert _read_answer(s).startswith(b"HTTP/1.1 200 ")
+                time.sleep(0.3)
+            idle_from = time.monotonic()
+            s.settimeout(10)
+            assert s.recv(100) == b""  # the server closed it
+            assert time.monotonic() - idle_from >= 0.6 - 0.3 - 0.05  # not before the timeout (0.3 s slept already)
+
+
+def _read_answer(s: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = s.recv(4096)
+        assert got, data
+        data += got
+    head, _, rest = data.partition(b"\r\n\r\n")
+    n = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    while len(rest) < n:
+        rest += s.recv(4096)
+    return head
