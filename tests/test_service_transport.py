@@ -94,13 +94,8 @@ def test_tls_responses_go_through_the_transport_with_the_served_protocol(pki, mo
         return real_send(fd, data)
 
     monkeypatch.setattr(transport_mod, "_send", send)
-    d = pki["dir"]
-    cfg = config(ssl_certfile=str(d / "server.pem"), ssl_keyfile=str(d / "server.key"))
-    app = create_app(cfg)
-    limits = limits_mod.HttpLimits.from_config(cfg)
-    ctx = ssl.create_default_context()
-    pki["ca"].configure_trust(ctx)
-    with TLSServer(app, cfg, http=limits.protocol_class) as url:
+    server, ctx = _served_over_tls(pki)
+    with server as url:
         with httpx.Client(verify=ctx) as c:
             for k in range(3):
                 assert c.get(f"{url}/healthz").json() == {"status": "healthy"}
@@ -117,14 +112,9 @@ def test_the_lookup_lane_over_tls_answers_as_the_app(pki, monkeypatch):
     finished: list[int] = []
     finish = limits_mod.lane_finish
     monkeypatch.setattr(limits_mod, "lane_finish", lambda proto, lane, cycle: finished.append(1) or finish(proto, lane, cycle))
-    d = pki["dir"]
-    cfg = config(ssl_certfile=str(d / "server.pem"), ssl_keyfile=str(d / "server.key"))
-    app = create_app(cfg)
-    limits = limits_mod.HttpLimits.from_config(cfg)
-    ctx = ssl.create_default_context()
-    pki["ca"].configure_trust(ctx)
+    server, ctx = _served_over_tls(pki, proxy_headers=False, access_log=False)
     rows = chunks(3, seed=4)
-    with TLSServer(app, cfg, http=limits.protocol_class, proxy_headers=False, access_log=False) as url:
+    with server as url:
         with httpx.Client(verify=ctx) as c:
             assert c.post(f"{url}/events", json=events(store("i", 1, rows))).json()["applied"] == 1
             for tokens in (rows[1], chunks(1, seed=99)[0]):
@@ -138,6 +128,19 @@ def test_the_lookup_lane_over_tls_answers_as_the_app(pki, monkeypatch):
             assert b'"matches":[{' in c.post(f"{url}/directory/blend-lookup",
                                               json={"tokens_b64": b64(rows[1]), "model_name": MODEL}).content
     assert len(finished) == 3
+
+
+def _served_over_tls(pki, **uvicorn_kw) -> tuple[TLSServer, ssl.SSLContext]:
+    """The app under uvicorn with TLS and ``blendmatch serve``'s HTTP protocol (the limits),
+    and a client context that trusts it."""
+    from blendmatch.service import limits as limits_mod
+
+    d = pki["dir"]
+    cfg = config(ssl_certfile=str(d / "server.pem"), ssl_keyfile=str(d / "server.key"))
+    limits = limits_mod.HttpLimits.from_config(cfg)
+    ctx = ssl.create_default_context()
+    pki["ca"].configure_trust(ctx)
+    return TLSServer(create_app(cfg), cfg, http=limits.protocol_class, **uvicorn_kw), ctx
 
 
 def test_client_certificates_are_required_with_ssl_ca_certs(pki):
