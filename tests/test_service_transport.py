@@ -84,7 +84,6 @@ def test_tls_responses_go_through_the_transport_with_the_served_protocol(pki, mo
     encryption), and every answer arrives whole, small and large, on one keep-alive
     connection."""
     from blendmatch.service import counting_transport as transport_mod
-    from blendmatch.service import limits as limits_mod
 
     direct: list[int] = []
     real_send = transport_mod._send
