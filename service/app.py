@@ -60,6 +60,14 @@ forwarded to it after they are applied here.
 """
 
 
+_JSON_PATHS = frozenset(JSON_BODY_PATHS)
+
+
+def _body_limit(context: ServiceContext) -> int:
+    """The body limit the fast path and the lookup lane apply (``--max-body-bytes``)."""
+    return int(context.config.max_body_bytes)
+
+
 class _BlendApp(FastAPI):
     """FastAPI entered through access control (``access.py``, outermost: nothing is reachable
     without passing the route policy, the fast path included), then the fast path
@@ -78,8 +86,7 @@ class _BlendApp(FastAPI):
             context: ServiceContext = self.state.blendmatch_context
             inner: ASGIApp = super().__call__
             if self.state.blendmatch_fast_path:
-                inner = FastPath(inner, context=context, limit=int(context.config.max_body_bytes),
-                                 json_paths=frozenset(JSON_BODY_PATHS))
+                inner = FastPath(inner, context=context, limit=_body_limit(context), json_paths=_JSON_PATHS)
             entry = self._entry = AccessControl(inner, self.state.blendmatch_access,
                                                 on_reject=lambda status: context.metrics.rejected.labels(str(status)).inc())
         return entry
@@ -94,8 +101,7 @@ class _BlendApp(FastAPI):
         lane = self._lane
         if lane is None:
             context: ServiceContext = self.state.blendmatch_context
-            lane = self._lane = Lane(context, self.access, int(context.config.max_body_bytes),
-                                     frozenset(JSON_BODY_PATHS))
+            lane = self._lane = Lane(context, self.access, _body_limit(context), _JSON_PATHS)
         return lane
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

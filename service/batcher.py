@@ -193,12 +193,19 @@ class MicroBatcher(Generic[P, R]):
     # ------------------------------------------------------------------ submission
     async def submit(self, payload: P) -> R:
         """Queue one payload and wait for its result (or the batch's exception)."""
-        return await self._enqueue(payload)
+        return await self.submit_nowait(payload)  # cancelling the caller cancels the future: dropped
 
     def submit_nowait(self, payload: P) -> "asyncio.Future[R]":
         """:meth:`submit` without a coroutine: the payload's future (cancel it to drop the
         payload). Raises ``ServiceUnavailable`` when the batcher is not running."""
-        return self._enqueue_nowait(payload)
+        if self._closed or self._worker is None or self._wakeup is None:
+            raise ServiceUnavailable(f"{self.name} batcher is not running")
+        cost = int(self._cost(payload))
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append(_QueuedItem(payload, cost, fut))
+        self._queued_cost += cost
+        self._wakeup.set()
+        return fut
 
     async def submit_many(self, payloads: Sequence[P], *, return_exceptions: bool = False) -> list[Any]:
         """Queue several payloads back to back (so they tend to share a batch); results in order.
@@ -209,7 +216,7 @@ class MicroBatcher(Generic[P, R]):
         """
         if not payloads:
             return []
-        futures = [self._enqueue_nowait(p) for p in payloads]
+        futures = [self.submit_nowait(p) for p in payloads]
         try:
             settled = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
@@ -221,20 +228,6 @@ class MicroBatcher(Generic[P, R]):
                 if isinstance(res, BaseException):
                     raise res
         return list(settled)
-
-    def _enqueue_nowait(self, payload: P) -> "asyncio.Future[R]":
-        if self._closed or self._worker is None or self._wakeup is None:
-            raise ServiceUnavailable(f"{self.name} batcher is not running")
-        cost = int(self._cost(payload))
-        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._queue.append(_QueuedItem(payload, cost, fut))
-        self._queued_cost += cost
-        self._wakeup.set()
-        return fut
-
-    async def _enqueue(self, payload: P) -> R:
-        fut = self._enqueue_nowait(payload)
-        return await fut  # cancellation of the caller cancels fut: the worker then drops it
 
     # ------------------------------------------------------------------ the worker
     def _worker_done(self, task: "asyncio.Task[None]") -> None:

@@ -377,7 +377,6 @@ class _LimitedProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self._unset_keepalive_if_required()  # a timer armed elsewhere (none is, here)
         self.flow.resume_reading()
         if self.pipeline:  # a pipelined request waits: start it
             cycle, app = self.pipeline.pop()
