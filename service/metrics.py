@@ -150,19 +150,17 @@ class ServiceMetrics:
         # the children of the per-body counters, looked up once: ``labels()`` costs ~2 us on
         # the event loop, three or four times per POST /events
         self._events_by = {label: self.events.labels(label) for label in ("applied", "duplicate", "stale")}
-        for label in ("ok", "failed"):
-            self.batches.labels(label)
+        self._batches_by = {label: self.batches.labels(label) for label in ("ok", "failed")}
         self._not_indexable_by = {label: self.not_indexable.labels(label) for label in NOT_INDEXABLE_REASONS}
         for label in ("registered", "re_registered", "heartbeat", "unknown_heartbeat", "deregistered", "expired"):
             self.instance_events.labels(label)
-        for label in ("dict_miss", "namespace", "tokens"):
-            self.rejections.labels(label)
+        self._rejections_by = {label: self.rejections.labels(label) for label in ("dict_miss", "namespace", "tokens")}
         if gauge_values is not None:
             self.registry.register(_ScrapeCollector(gauge_values))
 
     # ------------------------------------------------------------------ observers
     def observe_batch(self, record: BatchRecord) -> None:
-        """The batcher's observer (runs on the event loop)."""
+        """The batcher's observer (runs on the event loop, once per batch)."""
         if record.dropped:
             self.dropped.inc(record.dropped)
         if not record.queries:
@@ -173,20 +171,23 @@ class ServiceMetrics:
             self.queue_wait.observe(w)
         self.batch_seconds.observe(record.run_s)
         self.busy_seconds.inc(record.run_s)
-        self.batches.labels("failed" if record.failed else "ok").inc()
+        self._batches_by["failed" if record.failed else "ok"].inc()
 
     def observe_match(self, stats: Any) -> None:
-        """Record a ``MatchStats`` (runs on the executor thread)."""
-        self.lookups.inc(stats.queries)
-        self.lookup_tokens.inc(stats.tokens)
-        self.windows.inc(stats.windows)
-        self.survivors.inc(stats.survivors)
-        self.matches.inc(stats.matches)
+        """Record a ``MatchStats`` (runs on the lookup thread, once per batch; an increment
+        by 0 is skipped: each takes the counter's lock)."""
+        for counter, n in ((self.lookups, stats.queries), (self.lookup_tokens, stats.tokens),
+                           (self.windows, stats.windows), (self.survivors, stats.survivors),
+                           (self.matches, stats.matches)):
+            if n:
+                counter.inc(n)
         self.engine_seconds.observe(stats.engine_s)
         self.verify_seconds.observe(stats.verify_s)
-        self.rejections.labels("dict_miss").inc(getattr(stats, "dict_misses", 0))
-        self.rejections.labels("namespace").inc(getattr(stats, "ns_filtered", 0))
-        self.rejections.labels("tokens").inc(getattr(stats, "token_rejections", 0))
+        by = self._rejections_by
+        for label, n in (("dict_miss", getattr(stats, "dict_misses", 0)), ("namespace", getattr(stats, "ns_filtered", 0)),
+                         ("tokens", getattr(stats, "token_rejections", 0))):
+            if n:
+                by[label].inc(n)
 
     def observe_events(self, applied: int, duplicates: int, stale: int, seconds: float, entries: int = 0,
                        not_indexable: Mapping[str, int] | None = None) -> None:
