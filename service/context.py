@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from binascii import hexlify
-from typing import Annotated, Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, Sequence, TypeVar
 
 from fastapi import Depends, Request
 
@@ -69,10 +69,29 @@ T = TypeVar("T")
 _EMPTY_MATCHES = b'{"matches":[]}'
 
 
+class DeferredQuery:
+    """A lookup whose body the lookup thread parses (the lookup lane, ``lane.py``): the
+    event loop queues the raw body, and ``resolve()``, called on the lookup thread with its
+    batch, returns the :data:`LookupQuery` or raises why the body cannot be answered that
+    way (the lane then hands the request to the app, which answers it). ``tokens``: the
+    most tokens the body can carry (its bytes as base64 at most), the batcher's cost."""
+
+    __slots__ = ("resolve", "tokens")
+
+    def __init__(self, resolve: Callable[[], LookupQuery], tokens: int) -> None:
+        self.resolve = resolve
+        self.tokens = tokens
+
+
 def query_tokens(query: LookupQuery) -> int:
-    """Tokens in a query (for a ``tokens_b64`` string: from its length, exact when valid)."""
+    """Tokens in a query (for a ``tokens_b64`` string: from its length, exact when valid;
+    for a :class:`DeferredQuery`, its bound)."""
     source = query[0]
-    return b64_token_count(source) if is_b64_source(source) else int(source.shape[0])
+    if is_b64_source(source):
+        return b64_token_count(source)
+    if type(source) is DeferredQuery:
+        return source.tokens
+    return int(source.shape[0])
 
 
 def _init_lookup_thread(threads: int) -> None:
@@ -367,6 +386,8 @@ class ServiceContext:
         query's own exception. Raises what :meth:`lookup` raises before it waits."""
         self.check_serving()
         if not self.blend_enabled:
+            if type(query[0]) is DeferredQuery:
+                query = query[0].resolve()
             _check_decodes([query])
             return _EMPTY_MATCHES
         return self.lookups.submit_nowait(query)
@@ -379,18 +400,34 @@ class ServiceContext:
         return await self.lookups.submit_many(queries, return_exceptions=True)
 
     def _run_lookups(self, queries: list[LookupQuery]) -> list[bytes | BaseException]:
-        """The batcher's ``run_batch`` (lookup thread): decode every ``tokens_b64`` of the batch
-        in one GIL-free kernel call, run one engine batch over the queries that decoded, and
-        encode each answer. A query that does not decode gets its ``TokenDecodeError``."""
+        """The batcher's ``run_batch`` (lookup thread): resolve each :class:`DeferredQuery`
+        (the lane's bodies, parsed here), decode every ``tokens_b64`` of the batch in one
+        GIL-free kernel call, run one engine batch over the queries that decoded, and encode
+        each answer. A query that does not resolve gets its exception, one that does not
+        decode its ``TokenDecodeError``."""
         index = self.directory.blend_index
         if index is None:  # cannot happen: lookups short-circuit when disabled
             return [_EMPTY_MATCHES] * len(queries)
         out: list[bytes | BaseException] = [_EMPTY_MATCHES] * len(queries)
-        tokens, offsets, errors = decode_query_tokens([q[0] for q in queries])
-        for i, err in enumerate(errors):
-            if err is not None:
+        live: Sequence[int] = range(len(queries))
+        if any(type(q[0]) is DeferredQuery for q in queries):
+            queries, taken = list(queries), []
+            for i, q in enumerate(queries):
+                if type(q[0]) is DeferredQuery:
+                    try:
+                        queries[i] = q[0].resolve()
+                    except Exception as exc:  # noqa: BLE001 - that query's answer: the lane hands it to the app
+                        out[i] = exc
+                        continue
+                taken.append(i)
+            live = taken
+        tokens, offsets, errors = decode_query_tokens([queries[i][0] for i in live])
+        ready = []
+        for i, err in zip(live, errors, strict=True):
+            if err is None:
+                ready.append(i)
+            else:
                 out[i] = err
-        ready = [i for i, err in enumerate(errors) if err is None]
         results, stats = index.match_flat(tokens, offsets, [queries[i][1] for i in ready])
         self.metrics.observe_match(stats)
         observed = []

@@ -29,15 +29,18 @@ The body is read by the same parser and the same limits (``limits.py``: header a
 timeouts, bytes in flight) as any request's: a :class:`LaneCycle` stands in the protocol
 where uvicorn's cycle would, so the limits, a disconnect and uvicorn's graceful shutdown
 treat it as the request in progress. Once the body is complete (:func:`finish`) it is
-parsed and validated by the fast path's :func:`~.fastpath.parse_body`, checked by the
-route's :func:`~.routes_lookup.checked_query` and queued with
-``ServiceContext.lookup_nowait``; the answer is written with the head uvicorn writes for
-``http_rules.send_json`` (:func:`response_head`). Anything else at that point (a body that
-does not parse, ``include_placements``, any error raised or returned: a token that does not
-decode, a limit, not ready yet, shutting down) hands the request, body complete, to an
-ordinary uvicorn cycle (:func:`fall_back`), which answers as the service always has: the
-route's own status and words. A lookup is a read, so running it again there changes
-nothing but time; only failures pay it.
+queued with ``ServiceContext.lookup_nowait`` as it is, a ``DeferredQuery``: the lookup
+thread parses and validates it with the fast path's :func:`~.fastpath.parse_body` and
+checks it with the route's :func:`~.routes_lookup.checked_query`, with its batch
+(:func:`_query`). Why there: the loop is the stage that sets the rate, and the parse was
+~6 us of its ~36 us a lookup (``docs/performance.md``, "Issue 28, thirteenth round"). The
+answer is written with the head uvicorn writes for ``http_rules.send_json``
+(:func:`response_head`). Anything else (a body that does not parse, ``include_placements``,
+any error raised or returned: a token that does not decode, a limit, not ready yet,
+shutting down) hands the request, body complete, to an ordinary uvicorn cycle
+(:func:`fall_back`), which answers as the service always has: the route's own status and
+words. A lookup is a read, so running it again there changes nothing but time; only
+failures pay it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
 from .access import SCOPE_KEY, Refusal
+from .context import DeferredQuery
 from .fastpath import parse_body
 from .http_rules import body_headers, body_rejection
 from .routes_lookup import checked_query
@@ -175,12 +179,9 @@ def finish(proto: Any, lane: Lane, cycle: LaneCycle) -> None:
     """The body is complete: queue the lookup, or hand the request to uvicorn's cycle."""
     cycle.more_body = False
     body = cycle.body.whole()
+    cycle.t0 = time.perf_counter()  # the latency metric's clock (the route's starts after its parse)
     try:
-        parsed, tokens = parse_body(BlendLookupRequest, body, failures_elsewhere=True)
-        cycle.t0 = time.perf_counter()  # where the route's answer_lookup starts its clock
-        if parsed.include_placements:
-            raise LookupError("placements: the route's path")
-        got = lane.context.lookup_nowait(checked_query(lane.context, parsed, tokens))
+        got = lane.context.lookup_nowait((DeferredQuery(lambda: _query(lane.context, body), _most_tokens(body)), None))
     except Exception:  # noqa: BLE001 - the usual path answers it, in its own words
         fall_back(proto, cycle, body)
         return
@@ -188,6 +189,22 @@ def finish(proto: Any, lane: Lane, cycle: LaneCycle) -> None:
         _answer(proto, lane, cycle, got)
         return
     got.add_done_callback(lambda fut: _answered(proto, lane, cycle, body, fut))
+
+
+def _query(context: Any, body: bytes) -> Any:
+    """The lookup in ``body``, as the route would queue it (on the lookup thread, with its
+    batch: ``DeferredQuery``); raises for anything the lane leaves to the app."""
+    parsed, tokens = parse_body(BlendLookupRequest, body, failures_elsewhere=True)
+    if parsed.include_placements:
+        raise LookupError("placements: the route's path")
+    return checked_query(context, parsed, tokens)
+
+
+def _most_tokens(body: bytes) -> int:
+    """The most tokens ``body`` can carry, the batcher's cost before it is parsed: its bytes
+    as a ``tokens_b64`` string when that key opens the body (3 tokens per 16 characters),
+    else as the shortest ``token_ids`` list (an id and a comma: 2 bytes)."""
+    return len(body) * 3 // 16 + 1 if body.find(b'"tokens_b64"', 0, 256) >= 0 else len(body) // 2 + 1
 
 
 def _answered(proto: Any, lane: Lane, cycle: LaneCycle, body: bytes, fut: "asyncio.Future[Any]") -> None:

@@ -25,7 +25,7 @@ import pytest
 from blendmatch.service import limits as limits_mod
 from blendmatch.service.access import hash_key
 
-from service_support import MODEL, b64, chunks, events, metric_samples, store
+from service_support import C, MODEL, b64, chunks, events, metric_samples, store
 from test_http_limits import Served as _Served
 
 LANE = b"/directory/blend-lookup"
@@ -301,3 +301,64 @@ def _single_lookups(srv: Served) -> float:
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
         text = read_response(s).partition(b"\r\n\r\n")[2].decode()
     return metric_samples(text)['blendmatch_lookup_latency_seconds_count{endpoint="single"}']
+
+
+def test_the_lane_parses_on_the_lookup_thread(lane_calls, monkeypatch):
+    """The event loop queues the raw body; the lookup thread parses it with its batch (the
+    loop's share of a lookup is the stage that sets the rate: docs/performance.md)."""
+    from blendmatch.service import lane as lane_mod
+
+    threads: list[str] = []
+    parse = lane_mod.parse_body
+
+    def watched(*args: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return parse(*args, **kw)
+
+    monkeypatch.setattr(lane_mod, "parse_body", watched)
+    rows = chunks(2, seed=5)
+    with Served() as srv:
+        fill(srv, rows)
+        for body in (lookup(rows[0]), json.dumps({"model_name": MODEL, "token_ids": rows[1].tolist()}).encode()):
+            assert b'"matches":[{' in ask(srv, LANE, body)
+    assert lane_calls["finished"] == 2
+    assert len(threads) == 2 and all(name.startswith("blendmatch-lookup") for name in threads), threads
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 8_192, 70_000])
+def test_the_lanes_cost_bounds_the_tokens_of_either_form(tokens):
+    """The batcher's cost of a body not parsed yet is never below the tokens it carries."""
+    from blendmatch.service.lane import _most_tokens
+
+    ids = np.zeros(tokens, dtype=np.uint32)  # the shortest ids: one digit each
+    for body in (lookup(ids), lookup(ids, cache_salt="s" * 300),
+                 json.dumps({"model_name": MODEL, "token_ids": ids.tolist()}, separators=(",", ":")).encode()):
+        assert _most_tokens(body) >= tokens
+
+
+def test_a_batch_answers_each_deferred_query_on_its_own():
+    """One body the lookup thread cannot parse fails that query alone; its neighbours in the
+    batch (deferred, plain, one that does not decode) get their own answers."""
+    from blendmatch.index.tokens import TokenDecodeError
+    from blendmatch.service.config import ServiceConfig
+    from blendmatch.service.context import DeferredQuery, ServiceContext
+    from blendmatch.service.lane import _query
+    from blendmatch.index.wire import parse_event_body
+
+    ctx = ServiceContext(ServiceConfig(chunk_size=C, engine="cpu"))
+    rows = chunks(3, seed=4)
+    ctx.directory.apply_many([parse_event_body(json.dumps(events(store("inst-a", 1, rows))).encode())])
+
+    def deferred(body: bytes) -> tuple[Any, None]:
+        return DeferredQuery(lambda: _query(ctx, body), 1 << 20), None
+
+    good = deferred(lookup(rows[1]))
+    bad = deferred(b'{"tokens_b64": ')
+    plain = (b64(rows[2]).encode(), _query(ctx, lookup(rows[2]))[1])
+    undecodable = deferred(json.dumps({"tokens_b64": "@@@@", "model_name": MODEL}).encode())
+    out = ctx._run_lookups([good, bad, plain, undecodable, deferred(lookup(rows[0]))])
+    assert [json.loads(out[k])["matches"][0]["cur_st"] for k in (0, 2, 4)] == [0, 0, 0]
+    assert [json.loads(out[k])["matches"][0]["chunk_hash"] for k in (0, 2, 4)] == [
+        json.loads(ctx._run_lookups([deferred(lookup(r))])[0])["matches"][0]["chunk_hash"] for r in (rows[1], rows[2], rows[0])]
+    assert isinstance(out[1], ValueError)
+    assert isinstance(out[3], TokenDecodeError)
