@@ -73,8 +73,9 @@ class DeferredQuery:
     """A lookup whose body the lookup thread parses (the lookup lane, ``lane.py``): the
     event loop queues the raw body, and ``resolve()``, called on the lookup thread with its
     batch, returns the :data:`LookupQuery` or raises why the body cannot be answered that
-    way (the lane then hands the request to the app, which answers it). ``tokens``: the
-    most tokens the body can carry (its bytes as base64 at most), the batcher's cost."""
+    way (the lane then hands the request to the app, which answers it). ``tokens``: a bound
+    on the tokens the body can carry (``lane._most_tokens``), the batcher's cost; the
+    request's own limit (``check_tokens``, 413) is checked by ``resolve()``."""
 
     __slots__ = ("resolve", "tokens")
 
