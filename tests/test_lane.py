@@ -25,7 +25,7 @@ import pytest
 from blendmatch.service import limits as limits_mod
 from blendmatch.service.access import hash_key
 
-from service_support import C, MODEL, b64, chunks, events, metric_samples, store
+from service_support import C, MODEL, b64, chunks, events, hash_of, metric_samples, store
 from test_http_limits import Served as _Served
 
 LANE = b"/directory/blend-lookup"
@@ -340,10 +340,10 @@ def test_a_batch_answers_each_deferred_query_on_its_own():
     """One body the lookup thread cannot parse fails that query alone; its neighbours in the
     batch (deferred, plain, one that does not decode) get their own answers."""
     from blendmatch.index.tokens import TokenDecodeError
+    from blendmatch.index.wire import parse_event_body
     from blendmatch.service.config import ServiceConfig
     from blendmatch.service.context import DeferredQuery, ServiceContext
     from blendmatch.service.lane import _query
-    from blendmatch.index.wire import parse_event_body
 
     ctx = ServiceContext(ServiceConfig(chunk_size=C, engine="cpu"))
     rows = chunks(3, seed=4)
@@ -357,8 +357,8 @@ def test_a_batch_answers_each_deferred_query_on_its_own():
     plain = (b64(rows[2]).encode(), _query(ctx, lookup(rows[2]))[1])
     undecodable = deferred(json.dumps({"tokens_b64": "@@@@", "model_name": MODEL}).encode())
     out = ctx._run_lookups([good, bad, plain, undecodable, deferred(lookup(rows[0]))])
-    assert [json.loads(out[k])["matches"][0]["cur_st"] for k in (0, 2, 4)] == [0, 0, 0]
-    assert [json.loads(out[k])["matches"][0]["chunk_hash"] for k in (0, 2, 4)] == [
-        json.loads(ctx._run_lookups([deferred(lookup(r))])[0])["matches"][0]["chunk_hash"] for r in (rows[1], rows[2], rows[0])]
+    # each answer is its own row's chunk: the hash and offset it was stored with, at 0
+    assert [json.loads(out[k])["matches"] for k in (0, 2, 4)] == [
+        [{"chunk_hash": hash_of(i).hex(), "old_st": i * C, "cur_st": 0}] for i in (1, 2, 0)]
     assert isinstance(out[1], ValueError)
     assert isinstance(out[3], TokenDecodeError)
