@@ -259,7 +259,3 @@ class HolderWatch:
                                 dict(sorted(self._removed.items())), dict(sorted(stored.items())), self._tokenless)
         self._reset()
         self._sink(changes)
-
-    def abandon(self) -> None:
-        """Forget a boundary's partial changes (the batch raised before its end)."""
-        self._reset()

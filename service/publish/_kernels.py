@@ -16,19 +16,6 @@ __all__ = ["encode_stored_block"]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _uint_size(v: np.uint64) -> int:
-    if v < 0x80:
-        return 1
-    if v < 0x100:
-        return 2
-    if v < 0x10000:
-        return 3
-    if v < 0x100000000:
-        return 5
-    return 9
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
 def _put_uint(out: np.ndarray, at: int, v: np.uint64) -> int:
     if v < 0x80:
         out[at] = v
