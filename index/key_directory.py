@@ -190,6 +190,13 @@ class KeyDirectory:
         with self._lock:
             return self._store.lookup(keys)
 
+    def access_counts(self, keys: Iterable[ObjectKey]) -> list[int]:
+        """Per key, in request order, the ``ACCESS`` entries applied to it since it was
+        created (LMCache 0.5.6's ``access_count``: 0 for an unknown key, reset when the key
+        dies and is stored again)."""
+        with self._lock:
+            return self._store.access_counts(keys)
+
     def keys_across_object_groups(self, keys: Iterable[ObjectKey]) -> list[ObjectKey]:
         """Each key followed by the stored keys that differ from it only in object group,
         in ascending group order (LMCache's ``get_keys_across_object_groups``: a token-form

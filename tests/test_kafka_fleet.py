@@ -99,6 +99,9 @@ def _state(r: Replica) -> dict[str, Any]:
     # table itself, the contents and every answer do not
     for history in ("table_generation", "table_version"):
         s["blendmatch"]["blend"].pop(history, None)
+    # every key's access count (ACCESS batches are in the workload): derived from the log
+    keys = r.client.get("/directory/keys", params={"limit": 10000}).json()["keys"]
+    s["access_counts"] = sorted((repr(sorted(k["key"].items())), k["access_count"]) for k in keys)
     return s
 
 
