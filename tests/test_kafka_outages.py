@@ -330,3 +330,44 @@ def test_log_reset_rules_at_their_edges():
     assert topic_reset("t", [0], [0], "B", "A")[0] == "topic_recreated"
     assert topic_reset("t", [0], [0], "A", None) is None and topic_reset("t", [0], [0], None, "A") is None
     assert [backoff(n) for n in (1, 2, 3, 5, 6, 50)] == [0.5, 1.0, 2.0, 8.0, 10.0, 10.0]
+
+
+def test_max_instances_is_decided_where_records_apply_alike_on_every_replica(broker, tmp_path):
+    """Before: the bound was checked only before appending, against one replica's state, so
+    records written straight to the topic (LMCache's own sink) or appends racing on several
+    replicas took every replica past it. Now it is decided where records apply, in log
+    order: two replicas accept and refuse the very same records and registrations."""
+    from confluent_kafka import Producer
+
+    from blendmatch.service.sources.records import CONTROL_HEADER, CONTROL_HEADER_VALUE, control_value
+
+    topic = create_topic(broker.bootstrap)
+    records = []
+    for i in range(5):  # five instances, one STORE record each, straight to the topic
+        records += _records(f"inst-{i}", range(1, 2), seed=i)
+    records += _records("inst-1", range(2, 3), seed=1)  # a known instance goes on
+    _produce(broker.bootstrap, topic, records)
+    producer = Producer({"bootstrap.servers": broker.bootstrap})
+    for i in range(4):  # four registrations; the bound admits three
+        producer.produce(topic, key=f"mp-{i}".encode(), value=control_value("register", f"mp-{i}", ts=1.0 + i,
+                                                                             ip="10.0.0.1", http_port=80),
+                         headers=[(CONTROL_HEADER, CONTROL_HEADER_VALUE)])
+    assert producer.flush(15) == 0
+    reps = [_replica(broker, topic, name, tmp_path, "--max-instances", "3", ckpt=False) for name in ("ra", "rb")]
+    try:
+        for r in reps:
+            r.wait_up()
+            r.wait_position({"0": len(records) + 4})
+        for r in reps:
+            stats = r.client.get("/directory/stats").json()
+            assert sorted(stats["blendmatch"]["instances"]) == ["inst-0", "inst-1", "inst-2"], stats
+            assert stats["num_keys"] == 4  # inst-0..2's first chunks and inst-1's second
+            skipped = metric_samples(r.client.get("/metrics").text)
+            assert skipped.get('blendmatch_kafka_records_skipped_total{reason="instance_bound"}') == 2
+            assert sorted(i["instance_id"] for i in r.client.get("/instances").json()["instances"]) == [
+                "mp-0", "mp-1", "mp-2"]
+        got = reps[0].client.post("/instances", json={"instance_id": "mp-9", "ip": "10.0.0.1", "http_port": 80})
+        assert got.status_code == 429, got.text
+    finally:
+        for r in reps:
+            r.stop()
