@@ -364,9 +364,13 @@ class KeyDirectory:
         return state
 
     def clear(self) -> None:
-        """Forget everything (a cold start after a failed restore): empty parts with a fresh,
-        empty index on the same engine (no second engine selection)."""
+        """Forget everything (a cold start after a failed restore, a resync after the event
+        log was reset): empty parts with a fresh, empty index on the same engine (no second
+        engine selection). A holder watch is told first (``HolderWatch.cleared_all``), so a
+        KV-events subscriber drops what it held before the rebuilt state arrives."""
         with self._lock:
+            if self._watch is not None:
+                self._watch.cleared_all()
             index = self._index
             if index is not None:
                 index = BlendIndex(chunk_size=index.chunk_size, probe_stride=index.probe_stride,

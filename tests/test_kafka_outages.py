@@ -371,3 +371,63 @@ def test_max_instances_is_decided_where_records_apply_alike_on_every_replica(bro
     finally:
         for r in reps:
             r.stop()
+
+
+def test_a_resync_tells_kv_events_subscribers_alike_on_every_replica(broker, tmp_path):
+    """Before: after a resync (--on-log-reset resync) KV-events subscribers were told nothing
+    and kept every block of the lost log. Now: each replica publishes AllBlocksCleared (vLLM's
+    class) on every topic that held blocks, before the rebuilt state, and two replicas that
+    applied the same log publish the very same messages, seqs included."""
+    import zmq
+
+    from kafka_support import free_port
+    from kv_events_support import Subscriber
+    from vllm_events_support import RELEASES, decode_batch, kv_events_file
+
+    kv_events_file(RELEASES["map"])  # vLLM's classes (skips with the reason when they cannot be fetched)
+    access = tmp_path / "access.toml"
+    access.write_text('[[network]]\nname = "here"\ncidrs = ["127.0.0.0/8"]\n'
+                      'roles = ["producer", "reader", "admin", "metrics"]\n\n[kv_events]\nexpose = true\n')
+    topic = create_topic(broker.bootstrap)
+    eps, reps = {}, []
+    for name in ("ca", "cb"):
+        pub, rep = free_port(), free_port()
+        eps[name] = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}")
+        reps.append(_replica(broker, topic, name, tmp_path, "--on-log-reset", "resync", "--access-file", str(access),
+                             "--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint",
+                             f"tcp://*:{rep}", ckpt=False))
+    try:
+        old = _produce(broker.bootstrap, topic, _records("mp-old", range(1, 11), seed=4))
+        for r in reps:
+            r.wait_up()
+            r.wait_position(end_offsets(old))
+        broker.restart_empty()
+        _recreate_topic(broker.bootstrap, topic)
+        new = _produce(broker.bootstrap, topic, _records("mp-new", range(1, 6), seed=5))
+
+        def rebuilt(r: Replica) -> bool:
+            ls = r.log_stats()
+            return ls["log_resets"] >= 1 and ls["log_reset"] is None and ls["position"] == end_offsets(new)
+
+        streams = []
+        for r, name in zip(reps, ("ca", "cb")):
+            wait_for(lambda: rebuilt(r), 60, f"{name}'s resync")
+            wait_for(lambda: r.client.get("/directory/stats").json()["blendmatch"]["kv_events"]["next_seq"] >= 16,
+                     30, f"{name}'s messages")
+            ctx = zmq.Context()
+            try:
+                s = Subscriber(ctx, *eps[name], "map")
+                s.replay_from(0)
+                s.close()
+            finally:
+                ctx.destroy(linger=0)
+            streams.append(s.stream)
+            kinds = [[type(ev).__name__ for ev in decode_batch("map", p).events] for _, _, p in s.stream]
+            # 10 old stores, the clear of the old instance's topic, then the 5 new stores
+            assert kinds == [["BlockStored"]] * 10 + [["AllBlocksCleared"]] + [["BlockStored"]] * 5, kinds
+            assert s.stream[10][0] == b"kv@mp-old@llama" and s.stream[10][1] == 10
+            assert {t for t, _, _ in s.holders} == {"kv@mp-new@llama"} and len(s.holders) == 5
+        assert streams[0] == streams[1]  # the same bytes and seqs on both replicas
+    finally:
+        for r in reps:
+            r.stop()
