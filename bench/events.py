@@ -338,6 +338,51 @@ def run(num_entries: int = 100_000, batch_entries: int = 1000, chunk_size: int =
     return out
 
 
+def access_cost(num_entries: int = 100_000, batch_entries: int = 1000, chunk_size: int = 256,
+                engine: str = "cpu", *, repeats: int = 3) -> dict[str, float]:
+    """Microseconds per ACCESS entry applied to a directory holding ``num_entries`` stored
+    keys (LMCache's per-key access count): the first access of each key (its record is
+    created), a repeat access (counted), and an access of an unknown key (a no-op); each
+    the best of ``repeats`` passes over every key, beside a STORE of the same entries."""
+    stores = make_requests(num_entries, batch_entries, chunk_size, packed=True)
+
+    def as_access(reqs: list[dict[str, Any]], instance: str, first_hash: int = 0) -> list[dict[str, Any]]:
+        out = []
+        for seq, req in enumerate(reqs, 1):
+            batch = dict(req["batches"][0], event_type="access", instance_id=instance, seq=seq, ts=float(seq))
+            entries = []
+            for e in batch["entries"]:
+                key = dict(e["key"])
+                if first_hash:
+                    key["chunk_hash_hex"] = (int(key["chunk_hash_hex"], 16) + first_hash).to_bytes(HASH_BYTES,
+                                                                                                    "big").hex()
+                entries.append({"key": key, "size_bytes": 0})
+            batch["entries"] = entries
+            out.append({"batches": [batch]})
+        return out
+
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        d = _new_directory(chunk_size, engine)
+        t0 = time.perf_counter()
+        for req in stores:
+            d.apply(req)
+        times = {"store": time.perf_counter() - t0}
+        for name, reqs in (("access_first", as_access(stores, "reader-1")),
+                           ("access_repeat", as_access(stores, "reader-2")),
+                           ("access_unknown", as_access(stores, "reader-3", first_hash=1 << 40))):
+            t0 = time.perf_counter()
+            for req in reqs:
+                d.apply(req)
+            times[name] = time.perf_counter() - t0
+        if d.access_counts([d.list_keys(limit=1)[0].key]) != [2]:
+            raise AssertionError("both ACCESS passes should have counted")
+        for name, t in times.items():
+            us = 1e6 * t / num_entries
+            best[f"{name}_us_per_entry"] = min(best.get(f"{name}_us_per_entry", us), us)
+    return best
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m blendmatch.bench.events",
                                      description=(__doc__ or "").split("\n")[0])
@@ -353,7 +398,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="also the packed form with a vLLM KV-events publisher attached (side by side)")
     parser.add_argument("--kv-events-rate", type=float, default=100_000.0,
                         help="with --kv-events: also both at this offered load, entries/s (0: skip)")
+    parser.add_argument("--access", action="store_true",
+                        help="only the cost of ACCESS entries (per-key access counts) beside a STORE of the same keys")
     args = parser.parse_args(argv)
+    if args.access:
+        for batch in args.batch:
+            result = access_cost(args.entries, batch, args.chunk_size, args.engine, repeats=args.repeats)
+            print(json.dumps({"batch_entries": batch, **result}) if args.json else
+                  "  ".join(f"{k} {v:.2f}" for k, v in result.items()) + f"  ({batch}-entry batches)")
+        return 0
     lines = []
     for batch in args.batch:
         result = run(args.entries, batch, args.chunk_size, args.engine, repeats=args.repeats,

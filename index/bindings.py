@@ -14,6 +14,10 @@ State:
   chunk hash: one per rank / object group / model / salt, each with its placements, the
   ``members`` tuple). The binding dies with its last key, and a namespace's claim on the
   blend index with its namespace's last key there (:meth:`BindingStore.replace_placements`).
+- Per key, LMCache's access record (:attr:`BindingStore.access`): the ``ACCESS`` entries
+  applied to the key since it was created and the newest such batch's ``ts``. Only keys
+  that were accessed have one (a dict entry of about 200 B); it goes with the key, so a key
+  that dies and is stored again starts at 0, as in LMCache's ``KeyDirectory``.
 - Per instance, the number of keys with a private L1 placement on it, and a log of the
   chunk hashes that gained one (what fencing walks: only that instance's chunks, never
   every key). The log is a list, appended to in order and never searched: a chunk hash
@@ -120,6 +124,8 @@ class BindingStore:
         # instances with a batch applied since their last fence: LMCache's
         # ``l1_keys_by_instance`` lists each of them, at 0 when it holds no L1 key
         self.reporters: set[str] = set()
+        # key -> [ACCESS entries applied since the key was created, newest such batch's ts]
+        self.access: dict[ObjectKey, list] = {}
         self.num_keys = 0
         self.num_placements = 0
         self.num_with_tokens = 0
@@ -269,6 +275,36 @@ class BindingStore:
                         self.replace_placements(h, b, j, pls, kept)
                     break
 
+    def record_access(self, batch: EventBatch) -> None:
+        """Apply an ACCESS batch as LMCache 0.5.6 does: each entry whose key exists counts
+        one access and raises its last access time to the batch's ``ts``; an entry for an
+        unknown key is a no-op (it creates nothing)."""
+        bindings = self.bindings
+        access = self.access
+        ts = float(batch.ts)
+        entries = batch.entries
+        for h, scope in zip(entries.chunk_hashes, entries.scopes):
+            b = bindings.get(h)
+            if b is None:
+                continue
+            for sc, _ in b.members:
+                if sc == scope:
+                    key = sc.object_key(h)
+                    rec = access.get(key)
+                    if rec is None:
+                        access[key] = [1, ts]
+                    else:
+                        rec[0] += 1
+                        if ts > rec[1]:
+                            rec[1] = ts
+                    break
+
+    def access_counts(self, keys: Iterable[ObjectKey]) -> list[int]:
+        """Per key, the ACCESS entries applied to it since it was created (0 for an unknown
+        key or one never accessed)."""
+        get = self.access.get
+        return [rec[0] if (rec := get(k)) is not None else 0 for k in keys]
+
     def fence(self, instance_id: str) -> FenceResult:
         """Drop every private L1 placement of ``instance_id`` (its memory is gone after a
         restart); keys left without placements die, and with them their namespaces' claims."""
@@ -305,6 +341,8 @@ class BindingStore:
             b.members = self.intern(members[:j] + ((members[j][0], self.intern(kept)),) + members[j + 1:])
             return
         scope = members[j][0]
+        if self.access:
+            self.access.pop(scope.object_key(h), None)  # the key died: its access record too
         rest = members[:j] + members[j + 1:]
         b.members = self.intern(rest) if rest else ()
         self.num_keys -= 1
@@ -411,6 +449,7 @@ class BindingStore:
             "tokens": [b.tokens for b in bindings],
             "l1_chunks": {inst: hs for inst in self.l1_log if (hs := self.l1_chunks_of(inst))},
             "l1_keys": dict(self.l1_keys),
+            "access": self.access,
             "counters": {"num_keys": self.num_keys, "num_placements": self.num_placements,
                          "num_with_tokens": self.num_with_tokens},
         }
@@ -425,6 +464,7 @@ class BindingStore:
             raise ValueError("a chunk hash appears twice in the snapshot")
         self.l1_log = {inst: list(hs) for inst, hs in state["l1_chunks"].items()}
         self.l1_keys = {inst: int(n) for inst, n in state["l1_keys"].items()}
+        self.access = dict(state.get("access", {}))
         c = state["counters"]
         self.num_keys, self.num_placements = int(c["num_keys"]), int(c["num_placements"])
         self.num_with_tokens = int(c["num_with_tokens"])

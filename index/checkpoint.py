@@ -12,7 +12,8 @@ Sections (file format: ``ckpt_file.py``; each section checksummed):
 - ``directory`` (bulk): bindings in dict order (chunk hashes, interned member tables as a
   small document plus one member id per binding, offsets, indexed flags, where each
   binding's tokens live: a row of the index, none, or a private copy), the per-instance L1
-  bookkeeping, capacities and counters.
+  bookkeeping, each accessed key's access count and last access time (as the binding's
+  position and its scope's), capacities and counters.
 - ``index`` (bulk, when blend lookup is on): the blend index's columns, free lists,
   fingerprint map, occupant hashes and token rows exactly as they are
   (``BlendIndex.export_state``): occupant and claim order, hence every answer, survive.
@@ -138,13 +139,27 @@ def directory_sections(directory: KeyDirectory, extra: Optional[Mapping[str, Any
                                  for inst in l1_insts])
     else:
         l1_pos = np.empty(0, dtype=np.int64)
+    # access records: the key's binding position and scope id (every accessed key is live,
+    # so its scope is in the member tables), sorted for a canonical file
+    access = snap.get("access") or {}
+    if access:
+        pos = {h: i for i, h in enumerate(hashes)}
+        scope_of = {tuple(sc[:4]): i for sc, i in scope_ix.items()}  # an ObjectKey's fields after its hash
+        rows = sorted((pos[k.chunk_hash], scope_of[(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)],
+                       rec[0], rec[1]) for k, rec in access.items())
+    else:
+        rows = []
+    acc_arrays = {"access_pos": np.asarray([r[0] for r in rows], dtype=np.int64),
+                  "access_scope": np.asarray([r[1] for r in rows], dtype=np.int64),
+                  "access_count": np.asarray([r[2] for r in rows], dtype=np.int64),
+                  "access_last": np.asarray([r[3] for r in rows], dtype=np.float64)}
     dir_doc = {"bindings": n, "scopes": scopes, "placements": placements, "members": table,
                "l1_chunks": [[inst, len(snap["l1_chunks"][inst])] for inst in l1_insts],
                "l1_keys": snap["l1_keys"], "capacity": snap["capacity"], "counters": snap["counters"]}
     dir_arrays = {**_hash_columns(hashes), "member_id": mids,
                   "offset": np.asarray(snap["offsets"], dtype=np.int64),
                   "indexed": np.asarray(snap["indexed"], dtype=np.uint8), "token_ref": ref,
-                  "private_len": priv_len, "private_tokens": priv_blob, "l1_pos": l1_pos}
+                  "private_len": priv_len, "private_tokens": priv_blob, "l1_pos": l1_pos, **acc_arrays}
     sections = {"meta": Section(_meta_doc(directory)), "gate": Section(snap["gate"]),
                 "directory": Section(dir_doc, dir_arrays)}
     if index is not None:
@@ -315,7 +330,14 @@ def _restore(directory: KeyDirectory, ckpt: CheckpointFile, t0: float) -> Restor
         for inst, count in doc["l1_chunks"]:
             l1_chunks[inst] = [hashes[p] for p in l1_pos[at:at + count]]
             at += count
-        state = {"hashes": hashes, "members": members, "offsets": arr["offset"].tolist(),
+        access: dict[Any, list] = {}
+        if sec.has("access_pos"):  # absent from checkpoints written before access counts
+            scopes = [KeyScope(model, int(rank), int(group), salt, BlendNamespace(model, salt, int(ws)))
+                      for model, rank, group, salt, ws in doc["scopes"]]
+            for p, s, c, last in zip(sec.array("access_pos").tolist(), sec.array("access_scope").tolist(),
+                                     sec.array("access_count").tolist(), sec.array("access_last").tolist()):
+                access[scopes[s].object_key(hashes[p])] = [int(c), float(last)]
+        state = {"hashes": hashes, "members": members, "access": access, "offsets": arr["offset"].tolist(),
                  "indexed": arr["indexed"].astype(bool).tolist(), "tokens": tokens,
                  "l1_chunks": l1_chunks, "l1_keys": doc["l1_keys"], "capacity": doc["capacity"],
                  "counters": doc["counters"], "gate": gate}

@@ -65,7 +65,9 @@ class HolderChanges(NamedTuple):
     ``fence_removed``, then ``removed``, then ``stored``. ``ts`` is the stream's time
     of the boundary (the batch's ``ts``; the last one seen when the batch carries none, or
     for a fence that came from outside the event stream). ``tokenless``: first placements
-    of chunks without tokens at a spot, left out."""
+    of chunks without tokens at a spot, left out. ``cleared``: the whole holder set is gone
+    (the directory was cleared: a resync after the event log was reset), and nothing else
+    is in this change."""
 
     ts: float
     fenced: Optional[str]
@@ -73,9 +75,10 @@ class HolderChanges(NamedTuple):
     removed: dict[Spot, list[bytes]]
     stored: dict[Spot, StoredChunks]
     tokenless: int
+    cleared: bool = False
 
     def __bool__(self) -> bool:  # type: ignore[override]
-        return bool(self.fenced or self.removed or self.stored or self.tokenless)
+        return bool(self.fenced or self.removed or self.stored or self.tokenless or self.cleared)
 
 
 _NONE: frozenset = frozenset()
@@ -234,6 +237,14 @@ class HolderWatch:
                     got[1].append(row)
 
     # ------------------------------------------------------------------ commit
+    def cleared_all(self) -> None:
+        """The directory forgot everything (``KeyDirectory.clear``): hand the sink one change
+        that empties the holder set, before anything rebuilt reaches it. Any partial
+        boundary is dropped with the state it described."""
+        self._reset()
+        self._spots.clear()
+        self._sink(HolderChanges(self.last_ts, None, {}, {}, {}, 0, cleared=True))
+
     def commit(self) -> None:
         """End of a batch boundary: hand what changed to the sink (nothing when nothing did).
         Spots come sorted (they were gathered from sets, whose order follows the process's

@@ -312,6 +312,7 @@ class IngestPath:
             self.store.delete(batch)
             self.entries_deleted += len(batch.entries)
         elif kind == "access":
+            self.store.record_access(batch)
             self.entries_accessed += len(batch.entries)
         else:
             self._config(batch)

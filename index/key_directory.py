@@ -190,6 +190,13 @@ class KeyDirectory:
         with self._lock:
             return self._store.lookup(keys)
 
+    def access_counts(self, keys: Iterable[ObjectKey]) -> list[int]:
+        """Per key, in request order, the ``ACCESS`` entries applied to it since it was
+        created (LMCache 0.5.6's ``access_count``: 0 for an unknown key, reset when the key
+        dies and is stored again)."""
+        with self._lock:
+            return self._store.access_counts(keys)
+
     def keys_across_object_groups(self, keys: Iterable[ObjectKey]) -> list[ObjectKey]:
         """Each key followed by the stored keys that differ from it only in object group,
         in ascending group order (LMCache's ``get_keys_across_object_groups``: a token-form
@@ -357,9 +364,13 @@ class KeyDirectory:
         return state
 
     def clear(self) -> None:
-        """Forget everything (a cold start after a failed restore): empty parts with a fresh,
-        empty index on the same engine (no second engine selection)."""
+        """Forget everything (a cold start after a failed restore, a resync after the event
+        log was reset): empty parts with a fresh, empty index on the same engine (no second
+        engine selection). A holder watch is told first (``HolderWatch.cleared_all``), so a
+        KV-events subscriber drops what it held before the rebuilt state arrives."""
         with self._lock:
+            if self._watch is not None:
+                self._watch.cleared_all()
             index = self._index
             if index is not None:
                 index = BlendIndex(chunk_size=index.chunk_size, probe_stride=index.probe_stride,

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 from urllib.parse import quote
 
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +33,7 @@ from blendmatch.index.wire import EventRequest, EventValidationError, parse_even
 from .errors import Forbidden, TooManyInstances
 from .schemas import CacheEventsResponse
 from .sources.control import apply_control
+from .sources.instance_bound import apply_within_bound, check_instance_bound
 
 if TYPE_CHECKING:
     from .context import ServiceContext
@@ -124,49 +125,23 @@ def decode_and_apply_run(directory: KeyDirectory, bodies: list[tuple[Any, ...]],
     (``events_thread.py``). On the events thread, so counts cannot change between a check
     and its apply.
 
-    Decoding and the producer check depend on the body alone. The instance bound depends on
-    what the bodies before it applied, so a body that names an instance id the directory
-    does not track yet first applies the run gathered so far, then is checked against the
-    directory as it is: exactly the state one-by-one application would have checked."""
+    Decoding and the producer check depend on the body alone; the instance bound is
+    :func:`apply_within_bound`'s."""
     out: list[ApplyReport | Exception | None] = [None] * len(bodies)
-    run: list[EventRequest] = []
+    requests: list[EventRequest] = []
     where: list[int] = []
-
-    def apply_gathered() -> None:
-        if run:
-            for k, report in zip(where, directory.apply_many(run)):
-                out[k] = report
-            run.clear()
-            where.clear()
-
     for k, (raw, may_act_for, *split) in enumerate(bodies):
         try:
             request = _decode(raw, *split)
             _check_producer((batch.instance_id for batch in request.batches), may_act_for, "applied")
-            if max_instances is not None:
-                ids = [batch.instance_id for batch in request.batches]
-                if directory.unknown_instances(ids)[1]:  # new ids: the bound depends on the run so far
-                    apply_gathered()
-                    check_instance_bound(directory, ids, max_instances, "applied")
         except Exception as exc:  # noqa: BLE001 - this body's answer; the others go on
             out[k] = exc
             continue
-        run.append(request)
+        requests.append(request)
         where.append(k)
-    apply_gathered()
+    for k, answer in zip(where, apply_within_bound(directory, requests, max_instances, "applied")):
+        out[k] = answer
     return out  # type: ignore[return-value]
-
-
-def check_instance_bound(directory: KeyDirectory, instance_ids: Iterable[str], max_instances: int, done: str) -> None:
-    """The bound on tracked instance ids (``--max-instances``) for one event request:
-    :class:`TooManyInstances` (429) when its ids not tracked yet would take the count of
-    instances with an event cursor past the bound. One rule for both transports: in Kafka
-    mode it is checked before anything is appended, against what this replica applied."""
-    tracked, new = directory.unknown_instances(instance_ids)
-    if new and tracked + len(new) > max_instances:
-        raise TooManyInstances(f"body.batches: instance {json.dumps(log_safe(new[0]))} would be one more than the "
-                               f"{max_instances} instance ids this server tracks (--max-instances; {tracked} now); "
-                               f"ids leave when their instance deregisters or expires; nothing was {done}")
 
 
 class HttpPushSource:
@@ -180,7 +155,7 @@ class HttpPushSource:
     def _control(self, record: Mapping[str, Any]) -> Any:
         ctx = self._ctx
         return apply_control(record, registry=ctx.registry, directory=ctx.directory,
-                             instance_events=ctx.metrics.instance_events)
+                             instance_events=ctx.metrics.instance_events, max_instances=ctx.config.max_instances)
 
     async def post_events(self, raw: bytes, may_act_for: MayActFor = None) -> bytes:
         ctx = self._ctx
@@ -275,6 +250,11 @@ class KafkaLogSource:
         again = self._ctx.registry.contains(instance_id)
         await self.log.publish_control("register", instance_id,
                                        **{k: v for k, v in fields.items() if k != "instance_id"})
+        if not self._ctx.registry.contains(instance_id):  # refused where it applied: the bound
+            raise TooManyInstances(f"body.instance_id: registering one more instance than the "
+                                   f"{self._ctx.config.max_instances} this server tracks (--max-instances), decided "
+                                   "where the registration applied; ids leave when their instance deregisters or "
+                                   "expires")
         log.info("%s instance %s at %s:%d (appended to the log)", "re-registered" if again else "registered",
                  log_safe(instance_id), log_safe(str(fields["ip"])), fields["http_port"])
         return instance_id, again

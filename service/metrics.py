@@ -139,7 +139,7 @@ class ServiceMetrics:
             "applied STORE entries that fed nothing to the blend index, by reason", ["reason"], registry=r)
         self.instance_events = Counter(
             "blendmatch_instance_events", "instance registry events (registered, re_registered, heartbeat, "
-            "unknown_heartbeat, deregistered, expired)", ["event"], registry=r)
+            "unknown_heartbeat, deregistered, expired, refused_bound)", ["event"], registry=r)
         self.rejected = Counter(
             "blendmatch_http_rejected", "requests answered with a 4xx", ["status"], registry=r)
         self.client_disconnects = Counter(
@@ -152,7 +152,8 @@ class ServiceMetrics:
         self._events_by = {label: self.events.labels(label) for label in ("applied", "duplicate", "stale")}
         self._batches_by = {label: self.batches.labels(label) for label in ("ok", "failed")}
         self._not_indexable_by = {label: self.not_indexable.labels(label) for label in NOT_INDEXABLE_REASONS}
-        for label in ("registered", "re_registered", "heartbeat", "unknown_heartbeat", "deregistered", "expired"):
+        for label in ("registered", "re_registered", "heartbeat", "unknown_heartbeat", "deregistered", "expired",
+                      "refused_bound"):
             self.instance_events.labels(label)
         self._rejections_by = {label: self.rejections.labels(label) for label in ("dict_miss", "namespace", "tokens")}
         if gauge_values is not None:

@@ -37,22 +37,24 @@ def _placement_wire(p: Placement) -> dict[str, Any]:
 def _lookup(directory: KeyDirectory, keys: list[ObjectKey]) -> dict[str, Any]:
     placements = directory.lookup(keys)
     tokens = directory.get_token_ids([k.chunk_hash for k in keys])
+    counts = directory.access_counts(keys)
     return {"chunks": len(keys), "results": [
         {"key": _key_wire(k), "placements": [_placement_wire(p) for p in pls],
-         "token_ids": [] if t is None else t.tolist()}
-        for k, pls, t in zip(keys, placements, tokens, strict=True)]}
+         "token_ids": [] if t is None else t.tolist(), "access_count": c}
+        for k, pls, t, c in zip(keys, placements, tokens, counts, strict=True)]}
 
 
 def _list(directory: KeyDirectory, tier: str | None, instance_id: str | None, backend: str | None,
           offset: int, limit: int) -> dict[str, Any]:
     total, page = directory.key_page(tier, instance_id, backend, offset, limit)
     tokens = directory.get_token_ids([kp.key.chunk_hash for kp in page])
+    counts = directory.access_counts([kp.key for kp in page])
     nxt = offset + len(page)
     return {"total": total, "offset": offset, "limit": limit,
             "next_offset": nxt if nxt < total else None,
             "keys": [{"key": _key_wire(kp.key), "placements": [_placement_wire(p) for p in kp.placements],
-                      "num_tokens": 0 if t is None else int(t.shape[0])}
-                     for kp, t in zip(page, tokens, strict=True)]}
+                      "num_tokens": 0 if t is None else int(t.shape[0]), "access_count": c}
+                     for kp, t, c in zip(page, tokens, counts, strict=True)]}
 
 
 #: Most keys the token form may resolve to (chunks x world size): 1,000,000 tokens at world

@@ -259,12 +259,14 @@ class DirectoryLookupRequest(BaseModel):
 
 
 class DirectoryKeyPlacements(BaseModel):
-    """One resolved key: its placements (empty when unknown) and its chunk's token ids
-    (empty when unknown)."""
+    """One resolved key: its placements (empty when unknown), its chunk's token ids
+    (empty when unknown) and its access count (LMCache's: the ``ACCESS`` entries applied to
+    the key since it was created; 0 when unknown)."""
 
     key: ObjectKeyModel
     placements: list[PlacementModel] = Field(default_factory=list)
     token_ids: list[int] = Field(default_factory=list)
+    access_count: int = 0
 
 
 class DirectoryLookupResponse(BaseModel):
@@ -275,11 +277,13 @@ class DirectoryLookupResponse(BaseModel):
 
 
 class DirectoryKeyInfo(BaseModel):
-    """One listed key with its placements that matched the filters."""
+    """One listed key with its placements that matched the filters, the token ids known for
+    its chunk and its access count (as in :class:`DirectoryKeyPlacements`)."""
 
     key: ObjectKeyModel
     placements: list[PlacementModel] = Field(default_factory=list)
     num_tokens: int = 0
+    access_count: int = 0
 
 
 class DirectoryListResponse(BaseModel):

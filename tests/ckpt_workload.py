@@ -111,6 +111,7 @@ def answers(d: KeyDirectory, seed: int) -> dict[str, Any]:
     out["list"] = listing
     keys = [kp.key for kp in listing] + [ObjectKey(_h(999), "m", pack_kv_rank(1), 0, "")]
     out["lookup"] = d.lookup(keys)
+    out["access"] = d.access_counts(keys)
     hashes = [_h(i) for i in range(60)]
     out["tokens"] = [None if t is None else t.tolist() for t in d.get_token_ids(hashes)]
     out["offsets"] = token_offsets(d, hashes)

@@ -21,7 +21,7 @@ from blendmatch.index.types import pack_kv_rank
 from blendmatch.index.wire_models import wire_batch, wire_entry
 from blendmatch.service.sources.records import (ControlRecordError, control_value, decode_control, is_control,
                                                 lmcache_record_value)
-from kafka_support import Replica, create_topic, end_offsets, kafka_bootstrap, lmcache_producer  # noqa: F401
+from kafka_support import Replica, create_topic, end_offsets, kafka_bootstrap, lmcache_producer, wait_for  # noqa: F401
 from service_support import C, MODEL, b64, hash_of, metric_samples, store
 from test_lmcache_compat import lmcache_site  # noqa: F401 - the fixture
 
@@ -99,6 +99,9 @@ def _state(r: Replica) -> dict[str, Any]:
     # table itself, the contents and every answer do not
     for history in ("table_generation", "table_version"):
         s["blendmatch"]["blend"].pop(history, None)
+    # every key's access count (ACCESS batches are in the workload): derived from the log
+    keys = r.client.get("/directory/keys", params={"limit": 10000}).json()["keys"]
+    s["access_counts"] = sorted((repr(sorted(k["key"].items())), k["access_count"]) for k in keys)
     return s
 
 
@@ -240,11 +243,14 @@ def test_resume_from_committed_offsets_without_checkpoint(kafka_bootstrap, tmp_p
         r = r.restart()
         r.wait_up()
         r.wait_position(end_offsets(positions))
-        assert r.log_stats()["records_applied"] == 5  # only the new ones
+        # only the new ones (the count follows the position by a moment: wait, do not race it)
+        wait_for(lambda: r.log_stats()["records_applied"] >= 5, 10, "the applied count")
+        assert r.log_stats()["records_applied"] == 5
         fresh = Replica(kafka_bootstrap, topic, "fresh", group, "", log_path=tmp_path / "fresh.log")
         try:
             fresh.wait_up()
             fresh.wait_position(end_offsets(positions))
+            wait_for(lambda: fresh.log_stats()["records_applied"] >= 10, 10, "the applied count")
             assert fresh.log_stats()["records_applied"] == 10
         finally:
             fresh.stop()

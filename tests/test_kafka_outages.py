@@ -330,3 +330,104 @@ def test_log_reset_rules_at_their_edges():
     assert topic_reset("t", [0], [0], "B", "A")[0] == "topic_recreated"
     assert topic_reset("t", [0], [0], "A", None) is None and topic_reset("t", [0], [0], None, "A") is None
     assert [backoff(n) for n in (1, 2, 3, 5, 6, 50)] == [0.5, 1.0, 2.0, 8.0, 10.0, 10.0]
+
+
+def test_max_instances_is_decided_where_records_apply_alike_on_every_replica(broker, tmp_path):
+    """Before: the bound was checked only before appending, against one replica's state, so
+    records written straight to the topic (LMCache's own sink) or appends racing on several
+    replicas took every replica past it. Now it is decided where records apply, in log
+    order: two replicas accept and refuse the very same records and registrations."""
+    from confluent_kafka import Producer
+
+    from blendmatch.service.sources.records import CONTROL_HEADER, CONTROL_HEADER_VALUE, control_value
+
+    topic = create_topic(broker.bootstrap)
+    records = []
+    for i in range(5):  # five instances, one STORE record each, straight to the topic
+        records += _records(f"inst-{i}", range(1, 2), seed=i)
+    records += _records("inst-1", range(2, 3), seed=1)  # a known instance goes on
+    _produce(broker.bootstrap, topic, records)
+    producer = Producer({"bootstrap.servers": broker.bootstrap})
+    for i in range(4):  # four registrations; the bound admits three
+        producer.produce(topic, key=f"mp-{i}".encode(), value=control_value("register", f"mp-{i}", ts=1.0 + i,
+                                                                             ip="10.0.0.1", http_port=80),
+                         headers=[(CONTROL_HEADER, CONTROL_HEADER_VALUE)])
+    assert producer.flush(15) == 0
+    reps = [_replica(broker, topic, name, tmp_path, "--max-instances", "3", ckpt=False) for name in ("ra", "rb")]
+    try:
+        for r in reps:
+            r.wait_up()
+            r.wait_position({"0": len(records) + 4})
+        for r in reps:
+            stats = r.client.get("/directory/stats").json()
+            assert sorted(stats["blendmatch"]["instances"]) == ["inst-0", "inst-1", "inst-2"], stats
+            assert stats["num_keys"] == 4  # inst-0..2's first chunks and inst-1's second
+            skipped = metric_samples(r.client.get("/metrics").text)
+            assert skipped.get('blendmatch_kafka_records_skipped_total{reason="instance_bound"}') == 2
+            assert sorted(i["instance_id"] for i in r.client.get("/instances").json()["instances"]) == [
+                "mp-0", "mp-1", "mp-2"]
+        got = reps[0].client.post("/instances", json={"instance_id": "mp-9", "ip": "10.0.0.1", "http_port": 80})
+        assert got.status_code == 429, got.text
+    finally:
+        for r in reps:
+            r.stop()
+
+
+def test_a_resync_tells_kv_events_subscribers_alike_on_every_replica(broker, tmp_path):
+    """Before: after a resync (--on-log-reset resync) KV-events subscribers were told nothing
+    and kept every block of the lost log. Now: each replica publishes AllBlocksCleared (vLLM's
+    class) on every topic that held blocks, before the rebuilt state, and two replicas that
+    applied the same log publish the very same messages, seqs included."""
+    import zmq
+
+    from kafka_support import free_port
+    from kv_events_support import Subscriber
+    from vllm_events_support import RELEASES, decode_batch, kv_events_file
+
+    kv_events_file(RELEASES["map"])  # vLLM's classes (skips with the reason when they cannot be fetched)
+    access = tmp_path / "access.toml"
+    access.write_text('[[network]]\nname = "here"\ncidrs = ["127.0.0.0/8"]\n'
+                      'roles = ["producer", "reader", "admin", "metrics"]\n\n[kv_events]\nexpose = true\n')
+    topic = create_topic(broker.bootstrap)
+    eps, reps = {}, []
+    for name in ("ca", "cb"):
+        pub, rep = free_port(), free_port()
+        eps[name] = (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{rep}")
+        reps.append(_replica(broker, topic, name, tmp_path, "--on-log-reset", "resync", "--access-file", str(access),
+                             "--kv-events-endpoint", f"tcp://*:{pub}", "--kv-events-replay-endpoint",
+                             f"tcp://*:{rep}", ckpt=False))
+    try:
+        old = _produce(broker.bootstrap, topic, _records("mp-old", range(1, 11), seed=4))
+        for r in reps:
+            r.wait_up()
+            r.wait_position(end_offsets(old))
+        broker.restart_empty()
+        _recreate_topic(broker.bootstrap, topic)
+        new = _produce(broker.bootstrap, topic, _records("mp-new", range(1, 6), seed=5))
+
+        def rebuilt(r: Replica) -> bool:
+            ls = r.log_stats()
+            return ls["log_resets"] >= 1 and ls["log_reset"] is None and ls["position"] == end_offsets(new)
+
+        streams = []
+        for r, name in zip(reps, ("ca", "cb")):
+            wait_for(lambda: rebuilt(r), 60, f"{name}'s resync")
+            wait_for(lambda: r.client.get("/directory/stats").json()["blendmatch"]["kv_events"]["next_seq"] >= 16,
+                     30, f"{name}'s messages")
+            ctx = zmq.Context()
+            try:
+                s = Subscriber(ctx, *eps[name], "map")
+                s.replay_from(0)
+                s.close()
+            finally:
+                ctx.destroy(linger=0)
+            streams.append(s.stream)
+            kinds = [[type(ev).__name__ for ev in decode_batch("map", p).events] for _, _, p in s.stream]
+            # 10 old stores, the clear of the old instance's topic, then the 5 new stores
+            assert kinds == [["BlockStored"]] * 10 + [["AllBlocksCleared"]] + [["BlockStored"]] * 5, kinds
+            assert s.stream[10][0] == b"kv@mp-old@llama" and s.stream[10][1] == 10
+            assert {t for t, _, _ in s.holders} == {"kv@mp-new@llama"} and len(s.holders) == 5
+        assert streams[0] == streams[1]  # the same bytes and seqs on both replicas
+    finally:
+        for r in reps:
+            r.stop()

@@ -346,3 +346,39 @@ def test_curve_encrypted_stream_with_a_client_allowlist(tmp_path):
     finally:
         pub.stop()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_a_cleared_directory_tells_subscribers_before_the_rebuilt_state(encoding):
+    """A Kafka replica's resync clears the directory (``KeyDirectory.clear``) and rebuilds it
+    from the new log. Before: subscribers were told nothing and kept every block. Now: one
+    ``AllBlocksCleared`` per topic that held blocks (vLLM's class), numbered in order, then
+    the rebuilt state; a subscriber ends with exactly the directory's holder set."""
+    pub = _publisher(encoding)
+    ctx = zmq.Context()
+    try:
+        d = _directory(pub)
+        sub = Subscriber(ctx, pub.bound_endpoint, pub.bound_replay_endpoint, encoding)
+        Workload(seed=49, chunk_size=CHUNK).run(d, 150)
+        assert pub.wait_idle(WAIT_MS / 1000)
+        sub.catch_up(pub.next_seq - 1)
+        held_topics = sorted({t for t, _, _ in sub.holders})
+        assert len(held_topics) >= 3 and sub.holders == expected_holders(d)
+        first_clear = pub.next_seq
+        d.clear()  # what the resync does, directory lock held
+        assert pub.wait_idle(WAIT_MS / 1000)
+        assert pub.next_seq == first_clear + len(held_topics)  # one message per topic that held blocks
+        sub.catch_up(pub.next_seq - 1)
+        assert sub.holders == {} == expected_holders(d)
+        cleared = sub.stream[-len(held_topics):]
+        assert [t.decode() for t, _, _ in cleared] == held_topics
+        for _, _, payload in cleared:
+            assert [type(ev).__name__ for ev in decode_batch(encoding, payload).events] == ["AllBlocksCleared"]
+        Workload(seed=50, chunk_size=CHUNK).run(d, 60)  # the rebuilt state follows
+        assert pub.wait_idle(WAIT_MS / 1000)
+        sub.catch_up(pub.next_seq - 1)
+        assert sub.holders and sub.holders == expected_holders(d)
+        sub.close()
+    finally:
+        pub.stop()
+        ctx.destroy(linger=0)

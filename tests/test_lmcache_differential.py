@@ -303,6 +303,16 @@ def _lookup_cases(rng: np.random.Generator, hasher: TokenHasher) -> tuple[list, 
     events.append(["POST", "/events", {"batches": [{"instance_id": "node-a", "incarnation": 1, "seq": seq_no,
                                                      "event_type": "delete", "tier": "l1", "backend": "dram",
                                                      "entries": [{"key": dict(key1, chunk_hash_hex=h2)}]}]}])
+    # ACCESS batches: a key accessed twice in one batch and again later, a key of object
+    # group 1, an unknown key (a no-op), and the deleted key (gone: a no-op as well)
+    h0 = hasher.chunk_hashes(seqs[0])[0].hex()
+    key0 = dict(key1, chunk_hash_hex=h0)
+    for ts, accessed in ((5.0, [key0, key0, key1, dict(key0, object_group_id=1)]),
+                         (7.5, [key0, dict(key0, chunk_hash_hex="ab" * 32), dict(key1, chunk_hash_hex=h2)])):
+        seq_no += 1
+        events.append(["POST", "/events", {"batches": [{"instance_id": "node-a", "incarnation": 1, "seq": seq_no,
+                                                         "event_type": "access", "tier": "l1", "backend": "dram",
+                                                         "ts": ts, "entries": [{"key": k} for k in accessed]}]}])
 
     def body(tokens: list, **kw: Any) -> dict:
         return {"token_ids": tokens, "model_name": "m", "world_size": 1, "cache_salt": "", **kw}
@@ -319,10 +329,10 @@ def _comparable(answer: list) -> list:
     status, body = answer
     if status != 200:
         return [status]
-    # access_count is LMCache's (we keep no per-key access counter); placements carry our
-    # "shared" flag, compared where LMCache has it
+    # placements carry our "shared" flag, compared where LMCache has it
     return [status, body["chunks"], [[r["key"], sorted((p["instance_id"], p["incarnation"], p["tier"], p["backend"],
-                                                         p["size_bytes"]) for p in r["placements"]), r["token_ids"]]
+                                                         p["size_bytes"]) for p in r["placements"]), r["token_ids"],
+                                      r["access_count"]]
                                       for r in body["results"]]]
 
 
@@ -333,11 +343,19 @@ def test_token_form_lookups_answer_as_the_real_coordinator(lmcache_site, vllm_si
     vLLM's wheel by LMCache's coordinator, as in a fleet)."""
     seed = vllm_none_hash_seed(os.environ)
     events, lookups = _lookup_cases(np.random.default_rng(11), TokenHasher(algorithm, CHUNK, none_hash_seed=seed))
-    requests = events + lookups
+    requests = events + lookups + [["GET", "/directory/keys", None]]
     theirs = _lmcache_answers(lmcache_site, {"chunk_size": CHUNK, "hash_algorithm": algorithm}, requests, tmp_path,
                               extra_path=[vllm_site])
     ours = _our_answers(requests, chunk_size=CHUNK, hash_algorithm=algorithm)
     assert [a[0] for a in theirs[: len(events)]] == [a[0] for a in ours[: len(events)]] == [200] * len(events)
+    # GET /directory/keys: every key with its access count and token count, as LMCache lists them
+    (our_status, our_keys), (their_status, their_keys) = ours.pop(), theirs.pop()
+    assert our_status == their_status == 200
+
+    def listed(page: dict) -> list:
+        return sorted((json.dumps(k["key"], sort_keys=True), k["num_tokens"], k["access_count"]) for k in page["keys"])
+
+    assert listed(our_keys) == listed(their_keys) and {k[2] for k in listed(our_keys)} == {0, 1, 3}
     got = [_comparable(a) for a in ours[len(events):]]
     want = [_comparable(a) for a in theirs[len(events):]]
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -346,3 +364,6 @@ def test_token_form_lookups_answer_as_the_real_coordinator(lmcache_site, vllm_si
     found = [r for a in ours[len(events):] if a[0] == 200 for r in a[1]["results"] if r["placements"]]
     assert len(found) >= 6 and {r["key"]["object_group_id"] for r in found} == {0, 1}
     assert sorted({a[0] for a in ours[len(events):]}) == [200, 400]
+    # ... and some keys were accessed (3 for the key accessed twice, then once more)
+    counts = {r["access_count"] for a in ours[len(events):] if a[0] == 200 for r in a[1]["results"]}
+    assert {0, 1, 3} <= counts

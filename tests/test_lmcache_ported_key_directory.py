@@ -435,3 +435,42 @@ def test_same_backend_private_and_shared_are_distinct_placements():
     apply_batch(d, [okey(1)], seq=1, tier="l2", backend="fs")
     apply_batch(d, [okey(1)], seq=2, tier="l2", backend="fs", shared=True)
     assert sorted(p.shared for p in d.lookup([okey(1)])[0]) == [False, True]
+
+
+# ------------------------------------------------------------------ access counts
+# LMCache 0.5.6's KeyDirectory counts the ACCESS entries applied to a key since its creation
+# (``record.access_count += 1``, ``views/key_directory.py``) and answers them in
+# ``/directory/lookup`` and ``/directory/keys`` (``get_access_counts``: 0 for unknown keys).
+def test_access_counts_each_entry_of_an_existing_key():
+    d = KeyDirectory()
+    apply_batch(d, [okey(1), okey(2)], seq=1, size=100)
+    apply_batch(d, [okey(1), okey(1), okey(2), okey(3)], seq=2, kind="access", size=None)
+    apply_batch(d, [okey(1)], seq=3, kind="access", size=None)
+    assert d.access_counts([okey(1), okey(2), okey(3), okey(1, rank=1)]) == [3, 1, 0, 0]
+    # an access to an unknown key created nothing, and storing it later starts at 0
+    apply_batch(d, [okey(3)], seq=4, size=100)
+    assert d.access_counts([okey(3)]) == [0]
+
+
+def test_access_count_resets_when_the_key_dies_and_comes_back():
+    d = KeyDirectory()
+    apply_batch(d, [okey(1)], seq=1, size=100)
+    apply_batch(d, [okey(1)], seq=1, size=100, instance="node-b")
+    apply_batch(d, [okey(1)], seq=2, kind="access", size=None)
+    apply_batch(d, [okey(1)], seq=3, kind="delete", size=None)  # node-b's placement still holds the key
+    assert d.access_counts([okey(1)]) == [1]
+    apply_batch(d, [okey(1)], seq=2, kind="delete", size=None, instance="node-b")  # its last placement
+    assert d.access_counts([okey(1)]) == [0]
+    apply_batch(d, [okey(1)], seq=4, size=100)
+    assert d.access_counts([okey(1)]) == [0]
+    apply_batch(d, [okey(1)], seq=5, kind="access", size=None)
+    assert d.access_counts([okey(1)]) == [1]
+
+
+def test_access_count_goes_with_a_key_fenced_away():
+    d = KeyDirectory()
+    apply_batch(d, [okey(1)], seq=1, size=100)
+    apply_batch(d, [okey(1)], seq=2, kind="access", size=None)
+    d.fence_instance("node-a")  # its L1 copy, the key's only placement, is gone
+    apply_batch(d, [okey(1)], seq=3, size=100)
+    assert d.access_counts([okey(1)]) == [0]

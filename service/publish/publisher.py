@@ -23,6 +23,10 @@ thread encodes (``wire.py``) and sends them. So:
 - **fences**: on each topic of a fenced instance, ``AllBlocksCleared`` when the fence
   leaves nothing on the topic (the usual case: only its L1 is there), else
   ``BlockRemoved`` of the fenced chunks (its private L2 copies outlive a restart).
+- **a cleared directory** (a Kafka replica's resync after the log was reset):
+  ``AllBlocksCleared`` on every topic that held blocks, in topic order, numbered like any
+  message (the same seqs on every replica that applied the same stream), before anything
+  of the rebuilt state.
 
 Endpoints follow vLLM's ``KVEventsConfig``: the PUB endpoint binds when it contains ``*``,
 ``::``, ``ipc://`` or ``inproc://`` and connects otherwise; the replay endpoint binds.
@@ -130,6 +134,10 @@ class KVEventsPublisher:
         """Number and queue the messages of one batch boundary (never blocks)."""
         msgs: dict[str, list[tuple]] = {}
         counts = self._counts
+        if changes.cleared:
+            for topic in sorted(t for t, held in counts.items() if any(held.values())):
+                msgs[topic] = [("clear",)]
+            counts.clear()
         if changes.tokenless:
             self.counters["tokenless"] += changes.tokenless
             if self._metrics:

@@ -43,11 +43,15 @@ class ControlOutcome:
 
 
 def apply_control(record: Mapping[str, Any], *, registry: InstanceRegistry, directory: KeyDirectory,
-                  instance_events: Any, at: Optional[float] = None) -> ControlOutcome:
+                  instance_events: Any, at: Optional[float] = None,
+                  max_instances: Optional[int] = None) -> ControlOutcome:
     """Apply one registry record ``{"op", "instance_id", ...}`` (``records.CONTROL_OPS``).
 
     - ``register`` (``ip``, ``http_port``, optional ``metadata``, ``p2p_advertised_url``,
-      ``mq_port``): insert or replace; a blank id gets a generated one (returned);
+      ``mq_port``): insert or replace; a blank id gets a generated one (returned); not
+      applied (counted ``refused_bound``) when it would register one more instance than
+      ``max_instances`` (``--max-instances``; None: no bound), the same decision on every
+      replica since each applies the same records to the same registry;
     - ``heartbeat``: record it; not applied for an unknown instance (the caller's 404);
     - ``deregister``: forget the instance, fence its private L1 placements, drop its event
       cursor and its declared capacity; idempotent;
@@ -62,6 +66,11 @@ def apply_control(record: Mapping[str, Any], *, registry: InstanceRegistry, dire
     """
     op, iid = record["op"], record["instance_id"]
     if op == "register":
+        if max_instances is not None and (not iid or not registry.contains(iid)) and len(registry) >= max_instances:
+            instance_events.labels("refused_bound").inc()
+            log.warning("registration of instance %s refused: %d instances are registered (--max-instances)",
+                        log_safe(iid), len(registry))
+            return ControlOutcome(op, iid, False)
         iid, again = registry.register(iid, record["ip"], record["http_port"], metadata=record.get("metadata") or {},
                                        p2p_advertised_url=str(record.get("p2p_advertised_url", "")),
                                        mq_port=int(record.get("mq_port", 0)), at=at, registered_at=at)

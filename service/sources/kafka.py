@@ -63,11 +63,12 @@ from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import parse_event_request
 
-from ..errors import LimitExceeded, ServiceUnavailable
+from ..errors import LimitExceeded, ServiceUnavailable, TooManyInstances
 from .log_health import LogHealth, backoff, position_reset, topic_reset
 from .producer import MAX_RECORD_BYTES, LogProducer
 from .reaper import ReaperMembership
 from .control import apply_control
+from .instance_bound import apply_within_bound
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
                       decode_run, lmcache_record_value, split_run)
 
@@ -140,7 +141,8 @@ class KafkaSource:
         self.m_records = Counter("blendmatch_kafka_records_applied", "records applied", ["kind"], registry=r)
         self.m_entries = Counter("blendmatch_kafka_entries_applied", "entries of applied cache-event batches",
                                  registry=r)
-        self.m_skipped = Counter("blendmatch_kafka_records_skipped", "records skipped (undecodable or invalid)",
+        self.m_skipped = Counter("blendmatch_kafka_records_skipped", "records skipped (undecodable, invalid, or past "
+                                 "--max-instances: reason instance_bound)",
                                  ["reason"], registry=r)
         self.m_published = Counter("blendmatch_kafka_records_published", "records appended by this replica",
                                    ["kind"], registry=r)
@@ -547,8 +549,12 @@ class KafkaSource:
     def _apply_run(self, directory: KeyDirectory, run: list[tuple[int, int, Any]], tally: list[Any]) -> None:
         if not run:
             return
-        for (p, o, _), report in zip(run, directory.apply_many([parsed for _, _, parsed in run])):
-            if isinstance(report, ValueError):
+        reports = apply_within_bound(directory, [parsed for _, _, parsed in run], self.config.max_instances,
+                                     "applied by any replica")
+        for (p, o, _), report in zip(run, reports):
+            if isinstance(report, TooManyInstances):  # every replica refuses it alike (the same log, the same state)
+                self._skip(p, o, "instance_bound", str(report))
+            elif isinstance(report, ValueError):
                 self._skip(p, o, "invalid", str(report))
             elif isinstance(report, Exception):  # a poison record never stalls the partition
                 log.error("record %s[%d]@%d failed to apply; skipped", self.topic, p, o, exc_info=report)
@@ -583,7 +589,8 @@ class KafkaSource:
         op, iid = doc["op"], doc["instance_id"]
         if op != "expire" or self._hb_pos.get(iid) == tuple(doc["last"]):
             out = apply_control(doc, registry=self._registry, directory=directory,
-                                instance_events=self._metrics.instance_events, at=float(doc["ts"]))
+                                instance_events=self._metrics.instance_events, at=float(doc["ts"]),
+                                max_instances=self.config.max_instances)
             if op in ("register", "heartbeat") and out.applied:
                 self._hb_pos[iid] = (p, o)
             elif op == "deregister" or out.applied:
