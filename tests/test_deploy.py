@@ -327,6 +327,7 @@ def test_compose_file_parses_and_each_blendmatch_command_parses(routes):
     assert len(ids) == 2, "each replica has its own --replica-id"
     gen = services["generator"]
     assert gen["entrypoint"] == ["python", "-m", "blendmatch.bench.kafka_stream"]
+    assert gen["build"] == services["replica-1"]["build"] and gen["image"] == services["replica-1"]["image"]
     args = stream_parser().parse_args(gen["command"])
     assert args.bootstrap == "broker:9092" and args.topic == "lmcache-cache-events"
     prom = yaml.safe_load((compose_dir / "prometheus.yml").read_text())
