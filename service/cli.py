@@ -10,7 +10,8 @@ service exists for it); ``--enable-blend-lookup`` is accepted for compatibility 
 ``--disable-blend-lookup`` turns it off. With no subcommand, flags go to ``serve``, so
 ``python -m blendmatch --port 9300`` works like LMCache's coordinator command line. It needs
 no configuration at all: ``blendmatch serve`` on a laptop without a GPU picks the CPU engine
-and says so in one start-up line.
+and says so in its start-up line (``blendmatch serving: engine cpu (...)``). A start it
+refuses is one line on stderr and a non-zero exit (``main``; ``service/startcheck.py``).
 
 ``blendmatch lookup`` sends one blend lookup from a token file and prints the matches; its
 exit status says what went wrong (``EXIT_*`` below, after the BSD ``sysexits.h`` codes).
@@ -72,7 +73,9 @@ lmcache.v1.mp_coordinator) have the same names and meanings; the others are
 blendmatch's own. Blend lookup is on by default here (the service exists for
 it): --enable-blend-lookup is accepted for compatibility, --disable-blend-lookup
 turns it off. No configuration is needed: without a GPU the CPU engine is
-chosen, and the first log line says which engine runs and why."""
+chosen. The first log line states the access mode; the start-up line
+"blendmatch serving: engine NAME (WHY)" says which engine runs and why. A
+refused start is one line on stderr: exit 1, or 2 for a bad command line."""
 
 _LOOKUP_DESCRIPTION = """Send one blend lookup to a running server and print the matches.
 
