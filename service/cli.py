@@ -243,7 +243,7 @@ def _serve(argv: Sequence[str]) -> int:
     # handed to uvicorn, so nothing can take it meanwhile), then the files and modules asked
     # for. Each failure is a StartError: one line from main(), exit 1 (service/startcheck.py).
     sockets = [] if args.workers > 1 else bind_sockets(  # --workers: each child binds the shared port
-        config.host, [(config.port, args.reuse_port), (args.own_port, False)])
+        config.host, [(config.port, args.reuse_port), *([(args.own_port, False)] if args.own_port else [])])
     check_tls_files(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     check_optional_modules(config)
     check_engine(config.engine)

@@ -74,42 +74,46 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, error_line(self.prog, f"{message} (see {self.prog} --help)") + "\n")
 
 
-def bind_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
-    """A TCP socket bound to ``host:port``, not yet listening (uvicorn's server calls
-    ``listen()`` when it starts serving). ``SO_REUSEADDR`` as uvicorn sets it (a restart
-    is not refused by the last run's ``TIME_WAIT`` connections); ``shared``: also
-    ``SO_REUSEPORT``, for ``--workers`` children sharing one port. An IPv6 host also
-    accepts IPv4 (``IPV6_V6ONLY`` off). Raises ``OSError`` (``EADDRINUSE`` for a port that
-    another socket listens on)."""
+def bind_socket(host: str, port: int, *, shared: bool = False) -> list[socket.socket]:
+    """TCP sockets bound to ``host:port``, not yet listening (uvicorn's server calls
+    ``listen()`` when it starts serving): one per address ``host`` resolves to, as asyncio's
+    ``create_server`` binds them (``localhost``: ``::1`` and ``127.0.0.1``). ``SO_REUSEADDR``
+    as uvicorn sets it (a restart is not refused by the last run's ``TIME_WAIT``
+    connections); ``shared``: also ``SO_REUSEPORT``, for ``--workers`` children sharing one
+    port. An IPv6 address that is the only one also accepts IPv4 (``IPV6_V6ONLY`` off).
+    Raises ``OSError`` (``EADDRINUSE`` for a port that another socket listens on), having
+    closed what it bound."""
     if shared and not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("--workers needs SO_REUSEPORT, which this platform lacks")
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _name, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
+    infos = [info for i, info in enumerate(infos) if info[4] not in [x[4] for x in infos[:i]]]
+    sockets: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if shared:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(addr)
-        sock.set_inheritable(False)
+        for family, kind, proto, _name, addr in infos:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if shared:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(len(infos) > 1))
+            sock.bind(addr)
+            sock.set_inheritable(False)
     except OSError:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         raise
-    return sock
+    return sockets
 
 
 def bind_sockets(host: str, ports: Sequence[tuple[int, bool]]) -> list[socket.socket]:
-    """One bound socket per ``(port, shared)`` (port 0 entries are skipped), or
-    :class:`StartError` naming the address and why (the others are closed)."""
+    """The bound sockets of every ``(port, shared)`` (port 0: one the system picks), or
+    :class:`StartError` naming the address and why (what was bound is closed)."""
     sockets: list[socket.socket] = []
     try:
         for port, shared in ports:
-            if not port:
-                continue
             try:
-                sockets.append(bind_socket(host, port, shared=shared))
+                sockets.extend(bind_socket(host, port, shared=shared))
             except OSError as exc:  # in use, another user's port, an address not on this host
                 why = exc.strerror or str(exc)
                 if exc.errno == errno.EADDRINUSE:
