@@ -158,3 +158,44 @@ def test_a_port_in_use_is_found_first():
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in line, line
     assert "serving" not in got.stderr
     assert elapsed < 10, elapsed  # a generous bound on a loaded machine: the point is "before the start-up"
+
+
+def test_the_early_socket_refuses_until_the_server_serves():
+    """The port is bound before the start-up work but listens only once uvicorn's loop
+    serves it (asyncio's ``create_server(sock=...)`` calls ``listen()``): a client that
+    connects during the start-up is refused at once instead of hanging in a backlog."""
+    import asyncio
+
+    from blendmatch.service.startcheck import bind_sockets
+
+    (sock,) = bind_sockets("127.0.0.1", [(0, False)])
+    port = sock.getsockname()[1]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+    async def serve_once() -> bytes:
+        async def answer(reader, writer):
+            writer.write(b"hi")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, sock=sock)
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            data = await reader.read()
+            writer.close()
+            return data
+
+    assert asyncio.run(serve_once()) == b"hi"
+
+
+def test_interrupted_start_is_one_line(monkeypatch, capsys):
+    """Ctrl-C before uvicorn owns the signals (a start-up still compiling): one line, 130."""
+    from blendmatch.service import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_serve", interrupted)
+    assert cli.main(["serve"]) == 130
+    assert capsys.readouterr().err == "blendmatch serve: error: interrupted\n"
