@@ -148,7 +148,7 @@ def _add_lookup_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="blendmatch", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-V", "--version", action="version", version=f"blendmatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_SUBCOMMANDS) + "}")
     serve = sub.add_parser("serve", help="run the HTTP service", description=_SERVE_DESCRIPTION,
@@ -185,8 +185,8 @@ def _access_key(argv: Sequence[str]) -> int:
     from .access import hash_key, new_key
 
     p = OneLineArgumentParser(prog="blendmatch access-key",
-                                description="Print a new random API key and the access-file entry that grants it. "
-                                            "The file stores only the key's SHA-256.")
+                              description="Print a new random API key and the access-file entry that grants it. "
+                                          "The file stores only the key's SHA-256.")
     _add_access_key_parser(p)
     args = p.parse_args(argv)
     key = new_key()
@@ -216,7 +216,7 @@ def _serve(argv: Sequence[str]) -> int:
     from pydantic import ValidationError
 
     parser = OneLineArgumentParser(prog="blendmatch serve", description=_SERVE_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_flags(parser)
     _add_lmcache_only_flags(parser)  # last: a flag defined with a meaning elsewhere wins
     args = parser.parse_args(argv)
@@ -449,14 +449,14 @@ def read_token_file(path: str) -> np.ndarray:
 
 
 def _fail(prog: str, code: int, message: str) -> int:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    print(error_line(prog, message), file=sys.stderr)
     return code
 
 
 def _lookup(argv: Sequence[str]) -> int:
     prog = "blendmatch lookup"
     parser = OneLineArgumentParser(prog=prog, description=_LOOKUP_DESCRIPTION, epilog=_LOOKUP_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_lookup_flags(parser)
     args = parser.parse_args(argv)
     try:
