@@ -239,6 +239,21 @@ def _serve(argv: Sequence[str]) -> int:
     if args.workers > 1 and config.event_transport != "kafka":
         parser.error("--workers needs --event-transport kafka: the workers share nothing but the event log, "
                      "so each must follow it (docs/fleet.md)")
+    from .access import AccessFileError, AccessPolicy
+
+    try:
+        access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
+    except AccessFileError as exc:
+        parser.error(str(exc))
+    if config.kv_events_endpoint:  # issue 25: refuse an ungranted exposure before anything starts (a usage error)
+        from .publish import EndpointNotAllowed, KVEventsPublisher
+        from .publish.setup import settings_from_config
+
+        try:
+            KVEventsPublisher(settings_from_config(config))
+        except (EndpointNotAllowed, ValueError) as exc:
+            parser.error(str(exc))
+
     # Before the start-up work, and before the first log line: the port first (bound here and
     # handed to uvicorn, so nothing can take it meanwhile), then the files and modules asked
     # for. Each failure is a StartError: one line from main(), exit 1 (service/startcheck.py).
@@ -248,12 +263,6 @@ def _serve(argv: Sequence[str]) -> int:
     check_optional_modules(config)
     check_engine(config.engine)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .access import AccessFileError, AccessPolicy
-
-    try:
-        access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
-    except AccessFileError as exc:
-        parser.error(str(exc))
     # The first log line states the access mode (and TLS), before anything else is logged.
     tls = ("off" if config.ssl_certfile is None else
            f"on ({config.ssl_certfile}; client certificates {'required' if config.ssl_ca_certs else 'not asked'})")
@@ -275,15 +284,6 @@ def _serve(argv: Sequence[str]) -> int:
     from .limits import HttpLimits, raise_open_file_limit
 
     import signal
-
-    if config.kv_events_endpoint:  # issue 25: refuse an ungranted exposure before anything starts
-        from .publish import EndpointNotAllowed, KVEventsPublisher
-        from .publish.setup import settings_from_config
-
-        try:
-            KVEventsPublisher(settings_from_config(config))
-        except (EndpointNotAllowed, ValueError) as exc:
-            parser.error(str(exc))
 
     from blendmatch.gpu import EngineUnavailable
 
