@@ -10,8 +10,9 @@ STORE indexable (docs/lmcache.md, "The wire"):
   lookups read the world size from bits 24-31, so ``kv_rank: 0`` means world size 0 and is
   never indexed (``world_size_0``); the token form of ``/directory/lookup`` builds LMCache's
   whole key, so it needs the whole packing;
-- ``token_offset`` is known (here 0: the chunk opened its sequence): ``-1`` is applied but
-  never offered to a blend lookup (``token_offset_unknown``);
+- ``token_offset`` is known (here 0: the chunk opened its sequence): with ``-1`` (unknown)
+  it is applied, but offered to blend lookups only once a STORE says where the chunk sat
+  (``token_offset_unknown``);
 - ``chunk_hash_hex`` is the hash LMCache's servers give that chunk (``blake3``, chained from
   the start of the sequence), so that the token form of ``/directory/lookup`` finds it too.
 
