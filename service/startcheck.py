@@ -7,14 +7,15 @@ status is :data:`EXIT_USAGE` (2, as argparse) for a bad command line and
 :data:`EXIT_START_FAILED` (1) for everything else (docs/operations.md, "Exit status").
 
 The checks here run before the start-up work (engine selection, JIT compiling, a
-checkpoint restore), so a mistake costs a second, not the whole start-up, and none of them
-is reported after a "serving" line:
+checkpoint restore) and before the first log line, right after the usage checks (the
+command line, the access file, the KV-events grant), so a mistake costs a second, not the
+whole start-up, and none of them is reported after a "serving" line:
 
 - :func:`bind_sockets` binds the listening socket(s) first and hands them to uvicorn
   (``Server.run(sockets=...)``): a port in use is the first thing found, and no other
   process can take the port between the check and the serving. The socket is bound but not
   listening until uvicorn serves (asyncio and uvloop call ``listen()`` on it then), so a
-  client that connects during start-up is refused at once, as before, instead of waiting;
+  client that connects during start-up is refused at once instead of waiting;
 - :func:`check_tls_files` opens each ``--ssl-*`` file and loads them as uvicorn will;
 - :func:`check_optional_modules` imports the optional dependency each asked-for feature
   needs and names the extra that brings it;
@@ -30,7 +31,7 @@ import socket
 import ssl
 from typing import Any, NoReturn, Sequence
 
-__all__ = ["EXIT_START_FAILED", "EXIT_USAGE", "OneLineArgumentParser", "StartError", "bind_socket",
+__all__ = ["EXIT_START_FAILED", "EXIT_USAGE", "OneLineArgumentParser", "StartError", "bind_addresses",
            "bind_sockets", "check_engine", "check_optional_modules", "check_tls_files", "engine_error", "error_line"]
 
 #: Exit status of a start refused for any reason other than the command line.
@@ -74,7 +75,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, error_line(self.prog, f"{message} (see {self.prog} --help)") + "\n")
 
 
-def bind_socket(host: str, port: int, *, shared: bool = False) -> list[socket.socket]:
+def bind_addresses(host: str, port: int, *, shared: bool = False) -> list[socket.socket]:
     """TCP sockets bound to ``host:port``, not yet listening (uvicorn's server calls
     ``listen()`` when it starts serving): one per address ``host`` resolves to, as asyncio's
     ``create_server`` binds them (``localhost``: ``::1`` and ``127.0.0.1``). ``SO_REUSEADDR``
@@ -113,7 +114,7 @@ def bind_sockets(host: str, ports: Sequence[tuple[int, bool]]) -> list[socket.so
     try:
         for port, shared in ports:
             try:
-                sockets.extend(bind_socket(host, port, shared=shared))
+                sockets.extend(bind_addresses(host, port, shared=shared))
             except OSError as exc:  # in use, another user's port, an address not on this host
                 why = exc.strerror or str(exc)
                 if exc.errno == errno.EADDRINUSE:
