@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,10 @@ from nbclient import NotebookClient
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 
-__all__ = ["NOTEBOOKS", "execute", "inject_parameters", "parameter_names"]
+__all__ = ["NOTEBOOKS", "execute", "inject_parameters", "parameter_names", "strip_progress"]
+
+#: One tqdm progress-bar state as tqdm writes it to stderr: ``label:  43%|####  | 12/28 [00:03<00:04, 3.7it/s]``.
+_PROGRESS_BAR = re.compile(r"^[^\r\n]*\d+%\|[^\r\n]*\| *\d+/\d+ \[[^\r\n]*\]$")
 
 
 def _parameters_index(nb: Any) -> int:
@@ -70,6 +74,28 @@ def inject_parameters(nb: Any, params: dict[str, Any]) -> None:
     nb.cells.insert(_parameters_index(nb) + 1, cell)
 
 
+def strip_progress(nb: Any) -> int:
+    """Drop the progress bars (tqdm's stderr redraws, one output per redraw) from ``nb``'s
+    outputs: in a saved notebook they are dozens of stale bar states, not results. Other
+    stderr output (a warning) is kept. Returns how many outputs were dropped."""
+    dropped = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr" and _only_progress(out.text):
+                dropped += 1
+            else:
+                kept.append(out)
+        cell["outputs"] = kept
+    return dropped
+
+
+def _only_progress(text: str) -> bool:
+    return all(not part.strip() or _PROGRESS_BAR.match(part.strip()) for part in re.split(r"[\r\n]", text))
+
+
 def execute(src: Path, dest: Path | None = None, params: dict[str, Any] | None = None,
             timeout: int = 1800) -> Any:
     """Run ``src`` top to bottom (working directory: its folder); write it to ``dest``
@@ -81,6 +107,7 @@ def execute(src: Path, dest: Path | None = None, params: dict[str, Any] | None =
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(src.parent)}})
     client.execute()
+    strip_progress(nb)
     out = Path(dest) if dest is not None else src
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)

@@ -10,7 +10,8 @@ service exists for it); ``--enable-blend-lookup`` is accepted for compatibility 
 ``--disable-blend-lookup`` turns it off. With no subcommand, flags go to ``serve``, so
 ``python -m blendmatch --port 9300`` works like LMCache's coordinator command line. It needs
 no configuration at all: ``blendmatch serve`` on a laptop without a GPU picks the CPU engine
-and says so in one start-up line.
+and says so in its start-up line (``blendmatch serving: engine cpu (...)``). A start it
+refuses is one line on stderr and a non-zero exit (``main``; ``service/startcheck.py``).
 
 ``blendmatch lookup`` sends one blend lookup from a token file and prints the matches; its
 exit status says what went wrong (``EXIT_*`` below, after the BSD ``sysexits.h`` codes).
@@ -37,6 +38,8 @@ from blendmatch import __version__
 
 from .flags import (LMCACHE_IGNORED_FLAGS, add_config_flags, add_lmcache_only_flags, config_from_args, flag_help,
                     flag_name, ignored_flag_warnings)
+from .startcheck import (OneLineArgumentParser, StartError, bind_sockets, check_engine, check_optional_modules,
+                         check_tls_files, engine_error, error_line)
 
 __all__ = ["main", "build_parser", "config_from_args", "ignored_flag_warnings", "uvicorn_tls_kwargs", "read_token_file",
            "LMCACHE_IGNORED_FLAGS", "EXIT_DATAERR", "EXIT_NOINPUT", "EXIT_PROTOCOL", "EXIT_UNAVAILABLE"]
@@ -70,7 +73,9 @@ lmcache.v1.mp_coordinator) have the same names and meanings; the others are
 blendmatch's own. Blend lookup is on by default here (the service exists for
 it): --enable-blend-lookup is accepted for compatibility, --disable-blend-lookup
 turns it off. No configuration is needed: without a GPU the CPU engine is
-chosen, and the first log line says which engine runs and why."""
+chosen. The first log line states the access mode; the start-up line
+"blendmatch serving: engine NAME (WHY)" says which engine runs and why. A
+refused start is one line on stderr: exit 1, or 2 for a bad command line."""
 
 _LOOKUP_DESCRIPTION = """Send one blend lookup to a running server and print the matches.
 
@@ -142,8 +147,8 @@ def _add_lookup_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blendmatch", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="blendmatch", description=_DESCRIPTION, epilog=_EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-V", "--version", action="version", version=f"blendmatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_SUBCOMMANDS) + "}")
     serve = sub.add_parser("serve", help="run the HTTP service", description=_SERVE_DESCRIPTION,
@@ -179,9 +184,9 @@ def _access_key(argv: Sequence[str]) -> int:
 
     from .access import hash_key, new_key
 
-    p = argparse.ArgumentParser(prog="blendmatch access-key",
-                                description="Print a new random API key and the access-file entry that grants it. "
-                                            "The file stores only the key's SHA-256.")
+    p = OneLineArgumentParser(prog="blendmatch access-key",
+                              description="Print a new random API key and the access-file entry that grants it. "
+                                          "The file stores only the key's SHA-256.")
     _add_access_key_parser(p)
     args = p.parse_args(argv)
     key = new_key()
@@ -210,8 +215,8 @@ def uvicorn_tls_kwargs(config) -> dict[str, object]:  # config: ServiceConfig
 def _serve(argv: Sequence[str]) -> int:
     from pydantic import ValidationError
 
-    parser = argparse.ArgumentParser(prog="blendmatch serve", description=_SERVE_DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog="blendmatch serve", description=_SERVE_DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_serve_flags(parser)
     _add_lmcache_only_flags(parser)  # last: a flag defined with a meaning elsewhere wins
     args = parser.parse_args(argv)
@@ -234,13 +239,30 @@ def _serve(argv: Sequence[str]) -> int:
     if args.workers > 1 and config.event_transport != "kafka":
         parser.error("--workers needs --event-transport kafka: the workers share nothing but the event log, "
                      "so each must follow it (docs/fleet.md)")
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .access import AccessFileError, AccessPolicy
 
     try:
         access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
     except AccessFileError as exc:
         parser.error(str(exc))
+    if config.kv_events_endpoint:  # issue 25: refuse an ungranted exposure before anything starts (a usage error)
+        from .publish import EndpointNotAllowed, KVEventsPublisher
+        from .publish.setup import settings_from_config
+
+        try:
+            KVEventsPublisher(settings_from_config(config))
+        except (EndpointNotAllowed, ValueError) as exc:
+            parser.error(str(exc))
+
+    # Before the start-up work, and before the first log line: the port first (bound here and
+    # handed to uvicorn, so nothing can take it meanwhile), then the files and modules asked
+    # for. Each failure is a StartError: one line from main(), exit 1 (service/startcheck.py).
+    sockets = [] if args.workers > 1 else bind_sockets(  # --workers: each child binds the shared port
+        config.host, [(config.port, args.reuse_port), *([(args.own_port, False)] if args.own_port else [])])
+    check_tls_files(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+    check_optional_modules(config)
+    check_engine(config.engine)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The first log line states the access mode (and TLS), before anything else is logged.
     tls = ("off" if config.ssl_certfile is None else
            f"on ({config.ssl_certfile}; client certificates {'required' if config.ssl_ca_certs else 'not asked'})")
@@ -263,16 +285,12 @@ def _serve(argv: Sequence[str]) -> int:
 
     import signal
 
-    if config.kv_events_endpoint:  # issue 25: refuse an ungranted exposure before anything starts
-        from .publish import EndpointNotAllowed, KVEventsPublisher
-        from .publish.setup import settings_from_config
+    from blendmatch.gpu import EngineUnavailable
 
-        try:
-            KVEventsPublisher(settings_from_config(config))
-        except (EndpointNotAllowed, ValueError) as exc:
-            parser.error(str(exc))
-
-    app = create_app(config, access=access)
+    try:
+        app = create_app(config, access=access)
+    except EngineUnavailable as exc:  # --engine gpu whose trial launch failed after check_engine
+        raise StartError(engine_error(exc)) from None
     control = app.access  # type: ignore[attr-defined]
     if hasattr(signal, "SIGHUP"):
         # uvicorn captures SIGINT/SIGTERM only; SIGHUP stays ours. The handler runs on the
@@ -312,26 +330,11 @@ def _serve(argv: Sequence[str]) -> int:
     context.add_fatal_listener(server.fail)
     from .durability import CheckpointRequired
 
-    try:  # before the port opens: a directory, a file not ours, a path another server holds
+    try:  # before the port listens: a directory, a file not ours, a path another server holds
         context.durability.prepare()
     except CheckpointRequired as exc:
-        logging.getLogger("blendmatch.service").critical("%s", exc)
-        return 1
-    if args.reuse_port:  # a --workers child: its own socket on the shared port
-        from .workers import listen_socket
-
-        sockets = []
-        for port, shared in ((config.port, True), (args.own_port, False)):
-            if not port:
-                continue
-            try:
-                sockets.append(listen_socket(config.host, port, shared=shared))
-            except OSError as exc:  # a port taken by a socket without SO_REUSEPORT, or another user's
-                logging.getLogger("blendmatch.service").error("cannot listen on %s:%d: %s", config.host, port, exc)
-                return 1
-        server.run(sockets=sockets)
-    else:
-        server.run()
+        raise StartError(str(exc)) from None
+    server.run(sockets=sockets)  # they listen from here (uvicorn's loop calls listen())
     if context.fatal is not None or server.exit_code:
         return server.exit_code or 1
     if context.durability.final_error is not None:  # logged at ERROR by the stop
@@ -359,6 +362,15 @@ def _graceful_server_class(base: type) -> type:
             self.graceful_timeout = graceful_timeout
             self.exit_code = 0
             self._signals = 0
+
+        async def startup(self, sockets=None) -> None:  # noqa: ANN001 - uvicorn's signature
+            await super().startup(sockets)
+            if sockets and not self.should_exit:  # uvicorn names the address only of sockets it opened
+                scheme = "https" if self.config.is_ssl else "http"
+                for sock in sockets:
+                    host, port = sock.getsockname()[:2]
+                    logging.getLogger("blendmatch.service").info("listening on %s://%s:%d", scheme,
+                                                                 f"[{host}]" if ":" in host else host, port)
 
         def handle_exit(self, sig, frame) -> None:  # noqa: ANN001 - uvicorn's signature
             import signal as _signal
@@ -437,14 +449,14 @@ def read_token_file(path: str) -> np.ndarray:
 
 
 def _fail(prog: str, code: int, message: str) -> int:
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    print(error_line(prog, message), file=sys.stderr)
     return code
 
 
 def _lookup(argv: Sequence[str]) -> int:
     prog = "blendmatch lookup"
-    parser = argparse.ArgumentParser(prog=prog, description=_LOOKUP_DESCRIPTION, epilog=_LOOKUP_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineArgumentParser(prog=prog, description=_LOOKUP_DESCRIPTION, epilog=_LOOKUP_EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_lookup_flags(parser)
     args = parser.parse_args(argv)
     try:
@@ -484,8 +496,25 @@ def _print_matches(matches: Sequence[Any], n_tokens: int, *, as_json: bool) -> N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``blendmatch`` console script and ``python -m blendmatch``."""
+    """Entry point of the ``blendmatch`` console script and ``python -m blendmatch``.
+
+    The one place where a refused start becomes its line: a :class:`StartError` from any
+    subcommand is printed as ``blendmatch <command>: error: <why>`` on stderr, with its exit
+    status (1; 2 for a bad command line, which argparse reports the same way through
+    :class:`OneLineArgumentParser`), and no traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else "serve"
+    try:
+        return _main(argv)
+    except StartError as exc:
+        print(error_line(f"blendmatch {command}", str(exc)), file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn took over the signals (e.g. while compiling)
+        print(error_line(f"blendmatch {command}", "interrupted"), file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version")):
         return _serve(argv)  # LMCache style: flags only
     command, rest = argv[0], argv[1:]

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,30 +45,7 @@ from typing import Sequence
 
 log = logging.getLogger("blendmatch.service.workers")
 
-__all__ = ["listen_socket", "worker_argv", "supervise"]
-
-
-def listen_socket(host: str, port: int, shared: bool = True) -> socket.socket:
-    """A listening TCP socket on ``host:port``: with ``SO_REUSEPORT`` for the port the
-    workers share, without it for a worker's own port (``shared=False``)."""
-    if shared and not hasattr(socket, "SO_REUSEPORT"):
-        raise OSError("--workers needs SO_REUSEPORT, which this platform lacks")
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _name, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if shared:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(addr)
-        sock.listen(2048)
-        sock.set_inheritable(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+__all__ = ["worker_argv", "supervise"]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec

@@ -138,7 +138,23 @@ def test_committed_notebook_carries_a_full_run(path):
     assert _images(nb) >= TINY[path.name][1], "figures embedded"
     text = _text(nb)
     assert "run at" in text and "CPU " in text, "the machine is named in a cell"
+    assert _runner().strip_progress(nb) == 0, "no progress-bar redraws in the committed outputs"
     readme = (REPO / "README.md").read_text()
     for png in TINY[path.name][2]:
         assert (REPO / "docs" / "figures" / png).stat().st_size > 10_000
         assert f"docs/figures/{png}" in readme, f"README shows {png}"
+
+
+def test_strip_progress_drops_the_bars_and_keeps_the_rest():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("run()")
+    bar = "\rsweep:  43%|####3     | 12/28 [00:03<00:04,  3.73point/s]"
+    cell.outputs = [nbformat.v4.new_output("stream", name="stderr", text="\rsweep:   0%|          | 0/28 [00:00<?, ?point/s]"),
+                    nbformat.v4.new_output("stream", name="stderr", text=bar + bar),
+                    nbformat.v4.new_output("stream", name="stdout", text="engine  Mwindows/s\ncpu  120.0\n"),
+                    nbformat.v4.new_output("stream", name="stderr", text="\n"),
+                    nbformat.v4.new_output("stream", name="stderr", text="UserWarning: 12% of the runs failed\n")]
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), cell]
+    assert _runner().strip_progress(nb) == 3
+    assert [(o.name, o.text) for o in cell.outputs] == [("stdout", "engine  Mwindows/s\ncpu  120.0\n"),
+                                                         ("stderr", "UserWarning: 12% of the runs failed\n")]
