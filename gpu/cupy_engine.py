@@ -88,13 +88,14 @@ import importlib.util
 import logging
 import time
 from types import ModuleType
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 
 from . import fingerprint as _fp
 from .batch import QueryBatch
-from .engine import EngineBroken, EngineUnavailable, SlotSource
+from .engine import EngineBroken, EngineFailure, EngineUnavailable, SlotSource
 from .xp_probe import (
     STAGING_PIECE,
     ArrayProbe,
@@ -116,6 +117,8 @@ __all__ = [
     "KERNELS_ENV",
     "KERNEL_MODES",
     "KERNEL_SOURCE",
+    "MIN_COPY_ROWS",
+    "PIPELINE_DEPTH",
     "gpu_unavailable",
     "gpu_unavailable_reason",
     "is_out_of_memory",
@@ -201,13 +204,15 @@ BM_FN unsigned char bm_flag_one(bm_i64 w, const bm_u64* __restrict__ H,
     return (unsigned char)(v == tag || v == BM_TAG_SHARED);
 }}
 
-/* A surviving window w writes its row pos[w] - 1 = [query, cur_st, fingerprint]. */
+/* A surviving window w writes its row pos[w] - 1 = [query, cur_st, fingerprint] when the
+   row is below cap (the output's capacity; rows past it are not written). */
 BM_FN void bm_scatter_one(bm_i64 w, const bm_u64* __restrict__ H, const bm_i64* __restrict__ pos,
                           const unsigned char* __restrict__ flag, const bm_i64* __restrict__ wbase,
-                          const bm_i64* __restrict__ qstart, bm_i64 nq, bm_i64 stride,
+                          const bm_i64* __restrict__ qstart, bm_i64 nq, bm_i64 stride, bm_i64 cap,
                           bm_u64* __restrict__ out) {{
     if (!flag[w]) return;
     bm_i64 r = pos[w] - 1;
+    if (r >= cap) return;
     bm_i64 q = bm_query_of(w, wbase, nq);
     bm_i64 cur = (w - wbase[q]) * stride;
     out[3 * r] = (bm_u64)q;
@@ -229,11 +234,11 @@ extern "C" __global__ void bm_scatter_kernel(const bm_u64* __restrict__ H, const
                                              const unsigned char* __restrict__ flag,
                                              const bm_i64* __restrict__ wbase,
                                              const bm_i64* __restrict__ qstart, const bm_i64 nq,
-                                             const bm_i64 W, const bm_i64 stride,
+                                             const bm_i64 W, const bm_i64 stride, const bm_i64 cap,
                                              bm_u64* __restrict__ out) {{
     const bm_i64 step = (bm_i64)blockDim.x * gridDim.x;
     for (bm_i64 w = (bm_i64)blockIdx.x * blockDim.x + threadIdx.x; w < W; w += step)
-        bm_scatter_one(w, H, pos, flag, wbase, qstart, nq, stride, out);
+        bm_scatter_one(w, H, pos, flag, wbase, qstart, nq, stride, cap, out);
 }}
 """
 
@@ -371,6 +376,42 @@ KEEP_BYTES = 256 << 20
 #: memory of a pass is about 60 bytes per token (tokens, prefix hash and its scan, flags,
 #: positions), so a full pass of 2^26 tokens needs about 4 GiB beside the slot mirror.
 DEFAULT_PASS_TOKENS = 1 << 26
+#: Staging sets in the engine's ring: pass N+1 uploads from one while pass N's kernels read
+#: another and pass N-1's rows copy back into the third.
+PIPELINE_DEPTH = 3
+#: Fewest survivor rows a pass copies back before its count is known (see ``CupyEngine``).
+MIN_COPY_ROWS = 4096
+
+
+class _Slot:
+    """One staging set of the ring: pinned input, its device copy, pinned output, the
+    survivor count's pinned word, and the events that order the three streams for the pass
+    that uses it. ``job`` is the pass in flight from it (None once collected)."""
+
+    def __init__(self, cp: Any, cupyx: Any, dev_alloc: Any) -> None:
+        self.pin_in = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
+        self.pin_out = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
+        self.dev_in = _Grown(dev_alloc)
+        self.pin_count = cupyx.empty_pinned((1,), dtype=np.int64)
+        self.ev = {k: cp.cuda.Event() for k in ("up0", "uploaded", "k0", "computed", "d0", "done")}
+        self.job: _Pass | None = None
+
+    def grown(self) -> tuple[_Grown, _Grown, _Grown]:
+        return self.pin_in, self.pin_out, self.dev_in
+
+
+@dataclass(eq=False)
+class _Pass:
+    """A pass submitted to the device and not yet collected (see ``CupyEngine``)."""
+
+    slot: _Slot
+    plan: WindowPlan
+    epoch: int
+    cap: int = 0  # survivor rows the pass's output holds and copies back
+    keep: tuple = ()  # device arrays the overflow path needs: h, pos, flag, wbase, qstart
+    sync_s: float = 0.0
+    rows: np.ndarray | None = None  # host rows once collected
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class CupyEngine(MirroredEngine):
@@ -381,6 +422,20 @@ class CupyEngine(MirroredEngine):
     CUDA device id (default: the current device). ``max_pass_tokens``: tokens per device pass
     (capped at ``SCAN_LIMIT``). ``keep_bytes``: memory kept between batches (see
     :data:`KEEP_BYTES`). Kernels are compiled in the constructor.
+
+    Pipelined (``kernels="fused"``): :meth:`probe_async` submits a batch and returns at once;
+    its handle's ``result()`` waits for it. Each pass takes a staging set of a ring of
+    :data:`PIPELINE_DEPTH` and runs on three streams ordered by that set's events only:
+    upload (pinned -> device), compute (waits for the upload: hash, flag, scan, scatter into
+    an output of ``cap`` rows), copy-back (waits for the compute: the survivor count and
+    ``cap`` rows into pinned memory). ``cap`` is a guess made before the count is known:
+    twice the highest recent survivor rate times the pass's windows, at least
+    :attr:`min_copy_rows`; so the host synchronises once per pass (on the copy-back's last
+    event, in ``result()``). A pass with more survivors than ``cap`` (``overflows``) scatters
+    again into an exact output and copies it back: a second synchronisation, rare. A staging
+    set is reused only after its pass was collected (``ring_waits`` counts the times a submit
+    had to collect one first). :meth:`lend_tokens` lends the next set's pinned token area so
+    a caller can decode straight into it (no host copy at submit).
     """
 
     name = "gpu"
@@ -396,10 +451,14 @@ class CupyEngine(MirroredEngine):
         self.kernels = kernels
         self.keep_bytes = int(keep_bytes)
         self.staging_piece = STAGING_PIECE
+        self.min_copy_rows = MIN_COPY_ROWS
+        self._rate = 1.0 / 64  # survivors per window, highest recent (sizes the copy-back)
         self._device = cp.cuda.Device(device) if device is not None else cp.cuda.Device()
         with self._device:
             self.device_name = _device_name(cp, self._device)
-            self._stream = cp.cuda.Stream(non_blocking=True)
+            self._stream = cp.cuda.Stream(non_blocking=True)  # compute (and the mirror's updates)
+            self._up = cp.cuda.Stream(non_blocking=True)
+            self._down = cp.cuda.Stream(non_blocking=True)
             self._events = [cp.cuda.Event() for _ in range(4)]
             # the engine's own pool: what it caches can be measured and trimmed without
             # touching other users of CuPy's default pool in the process
@@ -411,10 +470,9 @@ class CupyEngine(MirroredEngine):
             except Exception:  # noqa: BLE001 - only sizes the grid
                 sms = 132
             self.max_blocks = max(1, sms * BLOCKS_PER_SM)
-            self._pin_in = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
-            self._pin_out = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
-            self._pin_count = cupyx.empty_pinned((1,), dtype=np.int64)
-            self._dev_in = _Grown(self._dev_alloc)
+            self._slots = [_Slot(cp, cupyx, self._dev_alloc) for _ in range(PIPELINE_DEPTH)]
+            self._next = 0
+            self._lent: tuple[_Slot, int, int] | None = None  # (slot, queries, tokens) lent out
             self._k_flag = self._k_scatter = None
             if kernels == "fused":
                 # no -std option: the source is plain C-style CUDA; CuPy adds its default
@@ -423,8 +481,16 @@ class CupyEngine(MirroredEngine):
                     module = cp.RawModule(code=KERNEL_SOURCE)
                 self._k_flag = module.get_function("bm_flag_kernel")
                 self._k_scatter = module.get_function("bm_scatter_kernel")
+        self._epoch = 0  # bumped by a failure or close: passes of an older epoch are lost
         self.device_batches = 0
         self.trims = 0
+        self.overflows = 0
+        self.ring_waits = 0
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether :meth:`probe_async` overlaps batches (the fused kernels do)."""
+        return self.kernels == "fused"
 
     # -- helpers (lock held) --------------------------------------------------------------
     def _dev_alloc(self, n: int) -> Any:
@@ -432,83 +498,192 @@ class CupyEngine(MirroredEngine):
             return self._cp.empty((n,), dtype=self._cp.uint8)
 
     def _to_device(self, host: np.ndarray) -> Any:
-        """Copy a host array to the device on the engine's stream (used by the mirror)."""
+        """Copy a host array to the device on the compute stream (used by the mirror)."""
         dev = self._cp.empty(host.shape, dtype=host.dtype)
         dev.set(np.ascontiguousarray(host), stream=self._stream)
         return dev
 
-    def _stage(self, batch: QueryBatch, plan: WindowPlan) -> tuple[Any, Any, Any]:
-        """Plan + tokens through the pinned buffer, asynchronous copies on the stream."""
-        tokens = np.ascontiguousarray(batch.tokens, dtype=np.uint32)
-        nq, n = plan.num_queries, int(tokens.shape[0])
+    def _take_slot(self) -> _Slot:
+        """The next staging set of the ring (not the lent one), its last pass collected."""
+        lent = self._lent[0] if self._lent is not None else None
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % PIPELINE_DEPTH
+        if slot is lent:
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % PIPELINE_DEPTH
+        if slot.job is not None:
+            self.ring_waits += 1
+            self._collect_pass(slot.job)
+        return slot
+
+    def lend_tokens(self, num_queries: int, num_tokens: int) -> np.ndarray | None:
+        """A writable uint32 array of ``num_tokens`` in the next staging set's pinned memory,
+        for a batch of ``num_queries`` queries: fill it and submit a ``QueryBatch`` whose
+        ``tokens`` is this array, and the submit skips the host copy. ``None`` when the engine
+        does not pipeline or the batch would not run in one pass. A later call takes the lent
+        area back (an earlier loan must then not be used)."""
+        with self._lock:
+            if self._closed or not self.pipelined or num_tokens > self.max_pass_tokens or num_tokens < 1:
+                return None
+            self._lent = None
+            slot = self._take_slot()
+            _, tokens_at, total = staging_layout(num_queries, num_tokens)
+            host = slot.pin_in.get(total)
+            self._lent = (slot, num_queries, num_tokens)
+            return host[tokens_at:total].view(np.uint32)
+
+    def _slot_for(self, batch: QueryBatch, plan: WindowPlan) -> tuple[_Slot, bool]:
+        """The staging set for ``batch``: the lent one when its tokens are already there."""
+        lent, self._lent = self._lent, None
+        if lent is not None:
+            slot, nq, n = lent
+            if nq == plan.num_queries and n == batch.num_tokens and slot.pin_in.buf is not None:
+                _, tokens_at, _ = staging_layout(nq, n)
+                if batch.tokens.ctypes.data == slot.pin_in.buf.ctypes.data + tokens_at:
+                    return slot, True
+        return self._take_slot(), False
+
+    def _stage(self, slot: _Slot, batch: QueryBatch, plan: WindowPlan, stream: Any,
+               in_place: bool) -> tuple[Any, Any, Any]:
+        """Plan + tokens through the slot's pinned buffer, asynchronous copies on ``stream``."""
+        nq, n = plan.num_queries, batch.num_tokens
         total = staging_layout(nq, n)[2]
-        host = self._pin_in.get(total)
-        dev = self._dev_in.get(total)
+        host = slot.pin_in.get(total)
+        dev = slot.dev_in.get(total)
         base_h = host.ctypes.data
         base_d = dev.data
-        stream = self._stream
 
         def copy(offset: int, nbytes: int) -> None:
             (base_d + offset).copy_from_host_async(ctypes.c_void_p(base_h + offset), nbytes, stream)
 
-        stage_upload(host, plan, tokens, copy, piece=self.staging_piece)
+        tokens = None if in_place else np.ascontiguousarray(batch.tokens, dtype=np.uint32)
+        stage_upload(host, plan, tokens, copy, piece=self.staging_piece, num_tokens=n)
         return staging_views(dev, nq, n)
 
-    def _fused_rows(self, tokens: Any, wbase: Any, qstart: Any, plan: WindowPlan, table: Any) -> tuple[Any, int]:
-        """Hash, flag, scan; read the survivor count (synchronisation 1 of 2); then an output
-        of exactly that many rows and the scatter. Returns ``(rows on the device, n)``."""
+    def _guess_rows(self, windows: int) -> int:
+        return int(min(windows, max(self.min_copy_rows, int(2 * self._rate * windows) + 1)))
+
+    # -- one pass: submit (no host synchronisation), collect (one) ------------------------
+    def _submit(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> _Pass:
+        if self.kernels != "fused":
+            rows, timings = self._run_array(batch, plan, slots)
+            return _Pass(self._slots[0], plan, self._epoch, rows=rows, timings=timings)
         cp = self._cp
-        w = plan.windows
-        h = self._array.fingerprints(tokens, plan.window)
-        nq, ww, stride = np.int64(plan.num_queries), np.int64(w), np.int64(plan.stride)
-        mask = np.uint64(int(table.shape[0]) - 1)
-        grid, block = launch_dims(w, self.max_blocks)
-        flag = cp.empty((w,), dtype=cp.uint8)
-        self._k_flag(grid, block, (h, wbase, qstart, nq, ww, stride, table, mask, flag))
-        pos = cp.cumsum(flag, dtype=cp.int64)
-        # the survivor count: 8 bytes back; it sizes the output (24 B per survivor instead of
-        # per window) and the copy-back, so it must be on the host before either is issued
-        pos[w - 1:w].data.copy_to_host_async(ctypes.c_void_p(self._pin_count.ctypes.data), 8, self._stream)
-        self._stream.synchronize()
-        n = int(self._pin_count[0])
-        if n == 0:
-            return None, 0
-        out = cp.empty((n, 3), dtype=cp.uint64)
-        self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, nq, ww, stride, out))
-        return out, n
+        t0 = time.perf_counter()
+        slot, in_place = self._slot_for(batch, plan)
+        ev = slot.ev
+        job = _Pass(slot, plan, self._epoch)
+        with self._device, cp.cuda.using_allocator(self._pool.malloc):
+            with self._stream:
+                self._mirror.sync(slots)  # on the compute stream: ordered before this pass's kernels
+            job.sync_s = time.perf_counter() - t0
+            # the upload may overwrite the slot's device input only after the slot's last
+            # pass stopped reading it (collected already, so this costs the device nothing)
+            self._up.wait_event(ev["computed"])
+            ev["up0"].record(self._up)
+            wbase, qstart, tokens = self._stage(slot, batch, plan, self._up, in_place)
+            ev["uploaded"].record(self._up)
+            w = plan.windows
+            cap = job.cap = self._guess_rows(w)
+            with self._stream:
+                self._stream.wait_event(ev["uploaded"])
+                ev["k0"].record(self._stream)
+                h = self._array.fingerprints(tokens, plan.window)
+                grid, block = launch_dims(w, self.max_blocks)
+                flag = cp.empty((w,), dtype=cp.uint8)
+                self._k_flag(grid, block, (h, wbase, qstart, np.int64(plan.num_queries), np.int64(w),
+                                           np.int64(plan.stride), self._mirror.table,
+                                           np.uint64(int(self._mirror.table.shape[0]) - 1), flag))
+                pos = cp.cumsum(flag, dtype=cp.int64)
+                out = cp.empty((cap, 3), dtype=cp.uint64)
+                self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, np.int64(plan.num_queries),
+                                              np.int64(w), np.int64(plan.stride), np.int64(cap), out))
+                ev["computed"].record(self._stream)
+            self._down.wait_event(ev["computed"])
+            ev["d0"].record(self._down)
+            pos[w - 1:w].data.copy_to_host_async(ctypes.c_void_p(slot.pin_count.ctypes.data), 8, self._down)
+            host = slot.pin_out.get(cap * 24)
+            out.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), cap * 24, self._down)
+            ev["done"].record(self._down)
+        job.keep = (h, pos, flag, wbase, qstart, out)
+        slot.job = job
+        return job
 
-    def _copy_back_async(self, rows: Any, n: int) -> np.ndarray:
-        """Start the one device-to-host copy of the packed rows into pinned memory; the rows
-        are valid on the host after the stream is synchronised (the caller does that)."""
-        if n == 0:
-            return np.zeros((0, 3), dtype=np.uint64)
-        if not rows.flags.c_contiguous:
-            rows = self._cp.ascontiguousarray(rows)
-        nbytes = n * 24
-        host = self._pin_out.get(nbytes)
-        rows.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, self._stream)
-        return host[:nbytes].view(np.uint64).reshape(n, 3)
+    def _collect(self, job: _Pass) -> tuple[np.ndarray, dict[str, float]]:
+        if job.rows is None:
+            self._collect_pass(job)
+        assert job.rows is not None
+        return job.rows, job.timings
 
-    # -- MirroredEngine hooks ---------------------------------------------------------------
-    def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
-        """One pass. Two host synchronisations: the survivor count (it sizes the output and
-        the copy-back) and the end of the copy-back (which also completes the events)."""
+    def _collect_pass(self, job: _Pass) -> None:
+        """Wait for ``job`` (the one host synchronisation of a pass) and keep its rows."""
+        if job.epoch != self._epoch:
+            raise EngineFailure(f"the {self.name} engine failed or closed while this batch was on the device")
+        cp, slot, ev = self._cp, job.slot, job.slot.ev
+        t0 = time.perf_counter()
+        with self._device:
+            ev["done"].synchronize()
+            wait_s = time.perf_counter() - t0
+            n = int(slot.pin_count[0])
+            w = job.plan.windows
+            if n <= job.cap:
+                rows = slot.pin_out.buf[:n * 24].view(np.uint64).reshape(n, 3).copy()
+            else:
+                rows = self._overflow(job, n)
+            timings = {
+                "sync_s": job.sync_s,
+                "upload_s": cp.cuda.get_elapsed_time(ev["up0"], ev["uploaded"]) / 1e3,
+                "kernels_s": cp.cuda.get_elapsed_time(ev["k0"], ev["computed"]) / 1e3,
+                "copyback_s": cp.cuda.get_elapsed_time(ev["d0"], ev["done"]) / 1e3,
+                "wait_s": wait_s,
+            }
+        self._rate = max(n / w, 0.9 * self._rate, 1.0 / (1 << 16))
+        job.rows, job.timings, job.keep = rows, timings, ()
+        if slot.job is job:
+            slot.job = None
+        self.device_batches += 1
+
+    def _overflow(self, job: _Pass, n: int) -> np.ndarray:
+        """More survivors than the guessed rows: scatter again into exactly ``n`` rows, copy
+        them back and wait (a second host synchronisation for this pass)."""
+        cp, slot, ev = self._cp, job.slot, job.slot.ev
+        h, pos, flag, wbase, qstart, _ = job.keep
+        plan = job.plan
+        self.overflows += 1
+        grid, block = launch_dims(plan.windows, self.max_blocks)
+        with cp.cuda.using_allocator(self._pool.malloc), self._stream:
+            out = cp.empty((n, 3), dtype=cp.uint64)
+            self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, np.int64(plan.num_queries),
+                                          np.int64(plan.windows), np.int64(plan.stride), np.int64(n), out))
+            ev["computed"].record(self._stream)
+        self._down.wait_event(ev["computed"])
+        host = slot.pin_out.get(n * 24)
+        out.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), n * 24, self._down)
+        ev["done"].record(self._down)
+        ev["done"].synchronize()
+        return host[:n * 24].view(np.uint64).reshape(n, 3).copy()
+
+    def _run_array(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
+        """``kernels="array"``: one pass on the compute stream, synchronously (its count read
+        is a synchronisation, and the copy-back a second)."""
         cp, stream, ev = self._cp, self._stream, self._events
+        slot = self._take_slot()
         t0 = time.perf_counter()
         with self._device, stream, cp.cuda.using_allocator(self._pool.malloc):
             ev[0].record(stream)
             self._mirror.sync(slots)
             t_sync = time.perf_counter() - t0
-            wbase, qstart, tokens = self._stage(batch, plan)
+            wbase, qstart, tokens = self._stage(slot, batch, plan, stream, False)
             ev[1].record(stream)
-            table = self._mirror.table
-            if self.kernels == "fused":
-                rows, n = self._fused_rows(tokens, wbase, qstart, plan, table)
-            else:
-                rows = self._array.run(tokens, wbase, qstart, plan, table)  # syncs once for n
-                n = int(rows.shape[0])
+            rows = self._array.run(tokens, wbase, qstart, plan, self._mirror.table)  # syncs once for n
+            n = int(rows.shape[0])
             ev[2].record(stream)
-            host = self._copy_back_async(rows, n)
+            host = np.zeros((0, 3), dtype=np.uint64)
+            if n:
+                rows = cp.ascontiguousarray(rows)
+                buf = slot.pin_out.get(n * 24)
+                rows.data.copy_to_host_async(ctypes.c_void_p(buf.ctypes.data), n * 24, stream)
+                host = buf[:n * 24].view(np.uint64).reshape(n, 3)
             ev[3].record(stream)
             stream.synchronize()
             timings = {
@@ -519,17 +694,32 @@ class CupyEngine(MirroredEngine):
             }
             del rows, wbase, qstart, tokens
         self.device_batches += 1
+        return host.copy(), timings
+
+    # -- MirroredEngine hooks ---------------------------------------------------------------
+    def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
+        """One pass, synchronously: submit and collect (one host synchronisation, two on an
+        overflow; ``kernels="array"``: two)."""
+        rows, timings = self._collect(self._submit(batch, plan, slots))
         self._trim()
-        return host, timings
+        return rows, timings
+
+    def _after_collect(self) -> None:
+        self._trim()
 
     def _trim(self) -> None:
         """Keep at most ``keep_bytes`` of staging buffers, power tables and cached pool blocks
-        between batches (the slot mirror is kept whatever its size)."""
+        between batches (the slot mirror is kept whatever its size). Staging sets with a
+        pass in flight are kept."""
         trimmed = False
-        for g in (self._pin_in, self._pin_out, self._dev_in):
-            if g.nbytes > self.keep_bytes:
-                g.release()
-                trimmed = True
+        lent = self._lent[0] if self._lent is not None else None
+        for slot in self._slots:
+            if slot.job is not None or slot is lent:
+                continue
+            for g in slot.grown():
+                if g.nbytes > self.keep_bytes:
+                    g.release()
+                    trimmed = True
         if self._array.powers_bytes() > self.keep_bytes:
             self._array.drop_powers()
             trimmed = True
@@ -545,8 +735,9 @@ class CupyEngine(MirroredEngine):
 
     def _free_memory(self) -> None:
         """Drop every buffer the engine can rebuild and give the pools' free blocks back."""
-        for g in (self._pin_in, self._pin_out, self._dev_in):
-            g.release()
+        for slot in self._slots:
+            for g in slot.grown():
+                g.release()
         self._array.drop_powers()
         try:
             with self._device:
@@ -556,16 +747,29 @@ class CupyEngine(MirroredEngine):
         except Exception:  # noqa: BLE001 - freeing is best effort; the retry will tell
             log.debug("freeing GPU memory after an out-of-memory error failed", exc_info=True)
 
-    def _after_failure(self) -> None:
-        super()._after_failure()
-        try:  # no copy may still read or write the staging buffers when the next batch starts
+    def _quiesce(self) -> None:
+        """Every pass in flight is lost (its handle raises ``EngineFailure``); no copy may
+        still read or write the staging buffers when the next pass starts."""
+        self._epoch += 1
+        self._lent = None
+        for slot in self._slots:
+            slot.job = None
+        try:
             with self._device:
-                self._stream.synchronize()
+                for s in (self._up, self._stream, self._down):
+                    s.synchronize()
         except Exception:  # noqa: BLE001 - the device may be gone; the failure is already raised
             log.debug("stream synchronise after a GPU failure failed", exc_info=True)
 
+    def _after_failure(self) -> None:
+        super()._after_failure()
+        self._quiesce()
+
     def _release(self) -> None:
-        self._pin_in.buf = self._pin_out.buf = self._dev_in.buf = None
+        self._quiesce()
+        for slot in self._slots:
+            for g in slot.grown():
+                g.buf = None
         self._array = ArrayProbe(self._cp)
         try:
             with self._device:
@@ -579,45 +783,51 @@ class CupyEngine(MirroredEngine):
         return {
             "pool_bytes": int(self._pool.total_bytes()),
             "pool_used_bytes": int(self._pool.used_bytes()),
-            "pinned_bytes": self._pin_in.nbytes + self._pin_out.nbytes,
-            "staging_device_bytes": self._dev_in.nbytes,
+            "pinned_bytes": sum(s.pin_in.nbytes + s.pin_out.nbytes for s in self._slots),
+            "staging_device_bytes": sum(s.dev_in.nbytes for s in self._slots),
             "powers_bytes": self._array.powers_bytes(),
             "keep_bytes": self.keep_bytes,
         }
 
     @contextlib.contextmanager
     def trial_geometry(self, *, max_blocks: int = 2, staging_piece: int = 4096, floor: int = 4096,
-                       max_pass_tokens: int = 1 << 14) -> Iterator[None]:
-        """Shrink the grid, the staging piece, the buffers' floor and the pass size, so that a
-        small self-test runs many grid-stride iterations, multi-piece uploads, buffer growth
-        and split batches: the paths a full-size batch takes on a real device."""
-        saved = (self.max_blocks, self.staging_piece, self._pin_in.floor, self.max_pass_tokens)
+                       max_pass_tokens: int = 1 << 14, min_copy_rows: int = 8) -> Iterator[None]:
+        """Shrink the grid, the staging piece, the buffers' floor, the pass size and the rows
+        copied back before the count is known, so that a small self-test runs many
+        grid-stride iterations, multi-piece uploads, buffer growth, split batches and
+        overflowing copy-backs: the paths a full-size batch takes on a real device."""
+        saved = (self.max_blocks, self.staging_piece, self._slots[0].pin_in.floor, self.max_pass_tokens,
+                 self.min_copy_rows, self._rate)
         with self._lock:
             self.max_blocks, self.staging_piece, self.max_pass_tokens = max_blocks, staging_piece, max_pass_tokens
-            for g in (self._pin_in, self._pin_out, self._dev_in):
-                g.floor = floor
-                g.release()
+            self.min_copy_rows, self._rate = min_copy_rows, 1.0 / (1 << 16)
+            for slot in self._slots:
+                for g in slot.grown():
+                    g.floor = floor
+                    g.release()
         try:
             yield
         finally:
             with self._lock:
-                self.max_blocks, self.staging_piece, floor0, self.max_pass_tokens = saved
-                for g in (self._pin_in, self._pin_out, self._dev_in):
-                    g.floor = floor0
-                    g.release()
+                self.max_blocks, self.staging_piece, floor0, self.max_pass_tokens, self.min_copy_rows, \
+                    self._rate = saved
+                for slot in self._slots:
+                    for g in slot.grown():
+                        g.floor = floor0
+                        g.release()
 
     def reset_after_trial(self) -> None:
         """Forget the self-test's slot source and counters (the first real batch uploads the
         real table)."""
         self._mirror.invalidate()
         self.batches = self.device_batches = 0
-        self.split_batches = self.oom_retries = self.trims = 0
+        self.split_batches = self.oom_retries = self.trims = self.overflows = self.ring_waits = 0
         self._mirror.full_uploads = self._mirror.patches = self._mirror.patched_slots = 0
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out.update(kernels=self.kernels, device=self.device_name, device_batches=self.device_batches,
-                   trims=self.trims, **self.memory_stats())
+                   trims=self.trims, overflows=self.overflows, ring_waits=self.ring_waits, **self.memory_stats())
         return out
 
 
