@@ -17,8 +17,9 @@ plays the device, strictly where the engine could get it wrong:
   engine does). A stream is flushed up to a point by ``Stream.synchronize``,
   ``Event.synchronize`` of an event recorded after the copy, ``Device.synchronize``, an
   implicit synchronisation (``int()``/``get()`` of a device array), or by later work on the
-  *same* stream: array operations and kernel launches run at once, on the current stream,
-  after that stream's queue (stream order). ``Stream.wait_event(e)`` queues a wait: flushing
+  *same* stream: array operations run at once, on the current stream,
+  after that stream's queue (stream order); kernel launches are queued like copies.
+  ``Stream.wait_event(e)`` queues a wait: flushing
   past it first flushes ``e``'s stream up to ``e``. Nothing else orders two streams, so a
   kernel on one stream that reads a buffer whose upload on another stream it did not wait for
   reads stale bytes, and the host reading a pinned buffer before the event after its copy was
@@ -361,6 +362,8 @@ class Stream:
             if op[0] == "copy":
                 _, dst, src, size, _owners = op
                 ctypes.memmove(dst, src, size)
+            elif op[0] == "call":  # ("call", run, launch arguments kept alive)
+                op[1]()
             else:  # ("wait", stream, mark)
                 op[1].flush(op[2])
 
@@ -491,10 +494,17 @@ class _Kernel:
         if self._module.fail_next:
             self._module.fail_next = False
             raise RuntimeError("cudaErrorLaunchFailure: simulated lost device")
-        _in_order()
         order = cuda_host.shuffled_threads(grid[0], block[0], _RNG)
-        self._fn(order.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(order.size),
-                 ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *cargs)
+        fn = self._fn
+
+        def run() -> None:
+            fn(order.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(order.size),
+               ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *cargs)
+
+        # a launch is queued on the current stream like a copy: it runs when that stream is
+        # flushed (by later work on it, a wait ordered after it, or a synchronisation), so a
+        # copy on another stream not ordered after it reads the kernel's output buffer stale
+        _current_stream().enqueue(("call", run, args))
 
 
 _RNG = np.random.default_rng(2718)
