@@ -486,6 +486,7 @@ class CupyEngine(MirroredEngine):
         self.trims = 0
         self.overflows = 0
         self.ring_waits = 0
+        self.in_place_passes = 0  # passes whose tokens were decoded into the lent staging area
 
     @property
     def pipelined(self) -> bool:
@@ -540,6 +541,7 @@ class CupyEngine(MirroredEngine):
             if nq == plan.num_queries and n == batch.num_tokens and slot.pin_in.buf is not None:
                 _, tokens_at, _ = staging_layout(nq, n)
                 if batch.tokens.ctypes.data == slot.pin_in.buf.ctypes.data + tokens_at:
+                    self.in_place_passes += 1
                     return slot, True
         return self._take_slot(), False
 
@@ -822,12 +824,14 @@ class CupyEngine(MirroredEngine):
         self._mirror.invalidate()
         self.batches = self.device_batches = 0
         self.split_batches = self.oom_retries = self.trims = self.overflows = self.ring_waits = 0
+        self.in_place_passes = 0
         self._mirror.full_uploads = self._mirror.patches = self._mirror.patched_slots = 0
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out.update(kernels=self.kernels, device=self.device_name, device_batches=self.device_batches,
-                   trims=self.trims, overflows=self.overflows, ring_waits=self.ring_waits, **self.memory_stats())
+                   trims=self.trims, overflows=self.overflows, ring_waits=self.ring_waits,
+                   in_place_passes=self.in_place_passes, **self.memory_stats())
         return out
 
 
