@@ -175,7 +175,7 @@ step environment 30 0 environment
 step install 60 0 install
 step imports 60 0 imports
 step collect 60 0 collect
-step service-smoke 60 0 kit service-smoke
+step service-smoke 120 0 kit service-smoke
 step trial 90 1 kit trial
 step engine-bench 120 fake kit engine-bench
 step service-bench 120 fake kit service-bench
