@@ -534,13 +534,16 @@ class CupyEngine(MirroredEngine):
             return host[tokens_at:total].view(np.uint32)
 
     def _slot_for(self, batch: QueryBatch, plan: WindowPlan) -> tuple[_Slot, bool]:
-        """The staging set for ``batch``: the lent one when its tokens are already there."""
-        lent, self._lent = self._lent, None
+        """The staging set for ``batch``: the lent one when its tokens are already there
+        (the loan is then used up); otherwise the next set, never the lent one (another
+        caller's batch must not overwrite tokens decoded into a loan not yet submitted)."""
+        lent = self._lent
         if lent is not None:
             slot, nq, n = lent
             if nq == plan.num_queries and n == batch.num_tokens and slot.pin_in.buf is not None:
                 _, tokens_at, _ = staging_layout(nq, n)
                 if batch.tokens.ctypes.data == slot.pin_in.buf.ctypes.data + tokens_at:
+                    self._lent = None
                     self.in_place_passes += 1
                     return slot, True
         return self._take_slot(), False

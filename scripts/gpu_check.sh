@@ -18,7 +18,10 @@
 # env.txt, pytest-gpu.xml; copy summary.json and gpu_check.log to docs/gpu-runs/DATE/ (its README).
 # Every step is bounded by `timeout`, all of them together by BUDGET_S (500 s: the device
 # command's limit is 600 s, and the call below gives it 570).
-# Exit status: 0 when no step failed. Knobs: PYTHON (python3), BUDGET_S, KIT_SITE.
+# The measuring steps run before the gpu tests and the scale self-test, so a run cut short by
+# the budget still has its figures. Exit status: 0 when no step failed. Knobs: PYTHON (python3),
+# BUDGET_S, KIT_SITE, SKIP_STEPS (step names, space-separated: e.g. "gpu-tests scale-self-test"
+# for a run that only measures).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -105,6 +108,10 @@ step() {  # step NAME LIMIT_S DEVICE(0|1|fake) CMD...: bounded, timed, recorded;
     local left=$(( BUDGET_S - (SECONDS - START) ))
     echo
     echo "=== [$name] $(date -u +%H:%M:%S)"
+    if [[ " ${SKIP_STEPS:-} " == *" $name "* ]]; then
+        echo "skipped: in SKIP_STEPS"
+        printf '%s\tskipped\t0\n' "$name" >>"$WORK/steps.tsv"; return 0
+    fi
     if [[ "$device" == 1 && "$DRY" == 1 ]]; then
         echo "skipped: dry run (needs a GPU)"
         printf '%s\tskipped\t0\n' "$name" >>"$WORK/steps.tsv"; return 0

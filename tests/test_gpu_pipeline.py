@@ -192,6 +192,24 @@ def test_tokens_decoded_into_the_lent_pinned_buffer(fake_device):
         eng.close()
 
 
+def test_another_batch_between_loan_and_submit_leaves_the_loan_alone(fake_device):
+    """A batch submitted by someone else after a loan and before the lent batch's own submit
+    (another thread's probe, a re-probe) must not take the lent staging set."""
+    batches, slots = workload(27, 2 * 3 + 2)
+    eng = gpu()
+    try:
+        b = batches[0]
+        lent = eng.lend_tokens(b.num_queries, b.num_tokens)
+        lent[:] = b.tokens
+        for other in batches[1:]:  # more batches than staging sets, each collected at once
+            assert_same(eng.probe(other, slots), CPU.probe(other, slots))
+        got = eng.probe_async(QueryBatch(lent, b.offsets, b.window, b.stride), slots).result()
+        assert_same(got, CPU.probe(b, slots))
+        assert eng.in_place_passes == 1
+    finally:
+        eng.close()
+
+
 def test_a_stale_loan_is_copied_not_trusted(fake_device):
     """A batch whose tokens are not the current loan (an older one) is copied as usual."""
     batches, slots = workload(15, 2)
