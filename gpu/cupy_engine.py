@@ -4,36 +4,46 @@ Question answered: "which valid windows of this batch survive the slot-array pro
 ``Engine`` contract of ``gpu/engine.py``, bit-identical to the reference engine, on an
 NVIDIA GPU. CuPy is imported lazily (inside functions): importing this module never needs it.
 
-One batch (``CupyEngine.probe``), all on one non-blocking stream, under the engine lock:
+One pass (``CupyEngine._submit`` then ``_collect``; ``probe`` does both, ``probe_async``
+returns between them), under the engine lock, on three non-blocking streams ordered only by
+the events of the pass's staging set (one of a ring of :data:`PIPELINE_DEPTH`):
 
-1. **Slot mirror sync** (``xp_probe.SlotMirror``): ``slots.changes_since(gen, ver)``; a new
-   generation (or a trimmed log, or another source) uploads the table whole; otherwise the
-   changes are deduplicated on the host (last write wins, ``dedupe_last_write``) and applied
-   with one device scatter.
-2. **Upload**: plan (``wbase``, ``qstart``) and tokens are written into a pinned staging
-   buffer (grown as needed) and copied to a resident device buffer with asynchronous copies,
-   in 4 MiB pieces so host copying overlaps the transfer (``xp_probe.stage_upload``).
-3. **Kernels** (``kernels="fused"``, the default):
+1. **Slot mirror sync** (``xp_probe.SlotMirror``, on the compute stream):
+   ``slots.changes_since(gen, ver)``; a new generation (or a trimmed log, or another source)
+   uploads the table whole; otherwise the changes are deduplicated on the host (last write
+   wins, ``dedupe_last_write``) and applied with one device scatter.
+2. **Upload** (upload stream, after the set's previous pass stopped reading its device
+   input): plan (``wbase``, ``qstart``) and tokens are written into the set's pinned staging
+   buffer (grown as needed) and copied to its device buffer with asynchronous copies, in
+   4 MiB pieces so host copying overlaps the transfer (``xp_probe.stage_upload``); tokens
+   already decoded into the lent area (:meth:`CupyEngine.lend_tokens`) go in one copy with
+   no host copy. Event ``uploaded``.
+3. **Kernels** (compute stream, waits for ``uploaded``; ``kernels="fused"``, the default):
    a. ``H = fingerprint.prefix_fingerprints(tokens, C, cupy)`` -- THE hash in its prefix
       form, as CuPy array operations (multiply, cumsum, subtract, multiply);
    b. ``bm_flag_kernel`` (RawKernel, grid-stride over the windows, at most
       ``BLOCKS_PER_SM`` blocks per SM): window -> query by binary search in ``wbase`` ->
       ``fp = H[start]`` -> fmix64 -> slot, tag -> one table load ->
       ``flag[w] = (v == tag) | (v == 255)``;
-   c. ``pos = cupy.cumsum(flag)`` (CUB scan), and the survivor count ``n = pos[W-1]`` is read
-      back (8 bytes: **synchronisation 1**);
-   d. an output of exactly ``n`` rows (24 bytes per survivor, not per window), and
+   c. ``pos = cupy.cumsum(flag)`` (CUB scan);
+   d. an output of ``cap`` rows, ``cap`` guessed before the count is known (twice the
+      highest recent survivor rate times the windows, at least ``min_copy_rows``), and
       ``bm_scatter_kernel``: survivor ``w`` writes row ``pos[w] - 1`` = ``[q, cur_st, fp]``
-      (order-preserving: rows ascend with ``w``, i.e. with ``(query, cur_st)``).
-   ``kernels="array"`` runs ``xp_probe.ArrayProbe`` with ``xp=cupy`` instead (the exact lines
-   CI runs on numpy; more launches, no custom CUDA; its ``int(pos[-1])`` is synchronisation 1).
-4. **Copy-back**: the packed ``(n, 3)`` uint64 rows come back in one device-to-host copy into
-   a pinned buffer; the stream is synchronised once more (**synchronisation 2**, which also
-   completes the timing events), and the rows are unpacked into fresh host arrays.
+      when it is below ``cap`` (order-preserving: rows ascend with ``w``, i.e. with
+      ``(query, cur_st)``). Event ``computed``.
+4. **Copy-back** (copy-back stream, waits for ``computed``): the survivor count
+   ``pos[W-1]`` and the ``cap`` rows into the set's pinned memory. Event ``done``.
+5. **Collect**: the host waits for ``done`` -- **the one host synchronisation of the pass** --
+   and reads the count ``n``; when ``n <= cap`` the first ``n`` rows are the answer. Else
+   (``overflows``) the scatter runs again into exactly ``n`` rows, which are copied back and
+   waited for (a second synchronisation).
+   ``kernels="array"`` runs ``xp_probe.ArrayProbe`` with ``xp=cupy`` instead, synchronously
+   on the compute stream (the exact lines CI runs on numpy; more launches, no custom CUDA;
+   its ``int(pos[-1])`` and its copy-back are two synchronisations), and does not pipeline.
 
-Two host synchronisations per pass, not one: the count must be on the host before the output
-can be sized by it (sizing the output for every window costs 24 bytes per window and ran
-large batches out of memory), and the rows must be on the host before they are read.
+So with ``probe_async``, pass N+1's upload runs while pass N's kernels run and pass N-1's
+rows copy back. A staging set is reused only after its pass was collected (a submit that
+finds it uncollected collects it first: ``ring_waits``).
 
 Passes, memory and limits (``xp_probe.MirroredEngine``): a batch over ``max_pass_tokens``
 (default :data:`DEFAULT_PASS_TOKENS`, never above ``SCAN_LIMIT`` = 2^31 - 1, where CuPy's
@@ -48,8 +58,8 @@ Launch count per pass is constant (independent of the number of queries): about 
 (the prefix form's array operations, two RawKernels, one scan, two copies).
 
 ``Candidates.timings`` (seconds): ``sync_s`` (host, step 1), ``upload_s``, ``kernels_s``,
-``copyback_s`` (CUDA events on the engine's stream; ``upload_s`` spans step 1's device part
-and step 2), ``total_s`` (host wall clock for the whole probe).
+``copyback_s`` (CUDA events, each on its own stream: steps 2, 3, 4), ``wait_s`` (host seconds
+blocked in step 5), ``total_s`` (host wall clock from submit to result).
 
 What CI (no GPU) covers, and how (docs/performance.md, "GPU engine"):
 - the array algorithm and the slot mirror run on numpy as the ``"xp-numpy"`` engine in the
@@ -76,8 +86,9 @@ engine); out-of-memory -> retried as above; any other error while probing (a CUD
 lost device) -> ``EngineFailure`` wrapping it, after which the mirror is invalidated (the next
 batch re-uploads the table). ``select.FailoverEngine`` then moves to the CPU engine.
 
-Thread safety: one lock per engine around ``probe``; the stream, events and staging buffers
-belong to the engine and are only touched under that lock.
+Thread safety: one lock per engine around each submit and each collect; the streams, events
+and staging sets belong to the engine and are only touched under that lock. A failure (or
+``close``) loses every pass in flight: their handles raise ``EngineFailure``.
 """
 
 from __future__ import annotations
