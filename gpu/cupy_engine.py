@@ -373,6 +373,7 @@ class CupyEngine(MirroredEngine):
                 self._k_flag = module.get_function("bm_flag_kernel")
                 self._k_scatter = module.get_function("bm_scatter_kernel")
         self._epoch = 0  # bumped by a failure or close: passes of an older epoch are lost
+        self._one_slot = False  # set while a synchronous probe runs (see _take_slot)
         self.device_batches = 0
         self.trims = 0
         self.overflows = 0
@@ -398,6 +399,8 @@ class CupyEngine(MirroredEngine):
     def _take_slot(self) -> _Slot:
         """The next staging set of the ring (not the lent one), its last pass collected."""
         lent = self._lent[0] if self._lent is not None else None
+        if self._one_slot:  # a synchronous probe: the last set again (one set's memory, not three)
+            self._next = (self._next - 1) % PIPELINE_DEPTH
         slot = self._slots[self._next]
         self._next = (self._next + 1) % PIPELINE_DEPTH
         if slot is lent:
@@ -596,9 +599,24 @@ class CupyEngine(MirroredEngine):
     def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
         """One pass, synchronously: submit and collect (one host synchronisation, two on an
         overflow; ``kernels="array"``: two)."""
-        rows, timings = self._collect(self._submit(batch, plan, slots))
+        self._one_slot = True
+        try:
+            rows, timings = self._collect(self._submit(batch, plan, slots))
+        finally:
+            self._one_slot = False
         self._trim()
         return rows, timings
+
+    def _abandon(self) -> None:
+        """Collect every pass in flight (their rows stay with their handles) so that nothing
+        of theirs is held on the device while a batch is retried under memory pressure."""
+        for slot in self._slots:
+            if slot.job is not None:
+                try:
+                    self._collect_pass(slot.job)
+                except Exception:  # noqa: BLE001 - that pass's own handle reports it
+                    slot.job.keep = ()
+                    slot.job = None
 
     def _after_collect(self) -> None:
         self._trim()

@@ -560,6 +560,7 @@ class MirroredEngine:
             if plan.windows == 0:
                 return ReadyProbe(Candidates.empty(0))
             t0 = time.perf_counter()
+            error: BaseException | None = None
             try:
                 if batch.num_tokens <= self.max_pass_tokens:
                     jobs = [(self._submit(batch, plan, slots), None, None)]
@@ -569,7 +570,9 @@ class MirroredEngine:
                             for piece, query, offset in split_batch(batch, self.max_pass_tokens)
                             for p_plan in (plan_windows(piece),) if p_plan.windows]
             except Exception as exc:  # noqa: BLE001 - sorted by _handle_async_error
-                return ReadyProbe(self._handle_async_error(exc, batch, plan, slots, t0))
+                error = exc
+            if error is not None:  # outside the except block: the failed submit's frames can go
+                return ReadyProbe(self._handle_async_error(error, batch, plan, slots, t0))
         return _MirroredProbe(self, batch, plan, slots, jobs, t0)
 
     def _finish_async(self, probe: "_MirroredProbe") -> Candidates:
@@ -587,7 +590,12 @@ class MirroredEngine:
                 rows = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
             timings = dict(timings)
         except Exception as exc:  # noqa: BLE001 - sorted by _handle_async_error
-            return self._handle_async_error(exc, probe.batch, probe.plan, probe.slots, probe.t0)
+            error: BaseException | None = exc
+        else:
+            error = None
+        if error is not None:  # outside the except block: the failed collect's frames can go
+            probe.jobs = []
+            return self._handle_async_error(error, probe.batch, probe.plan, probe.slots, probe.t0)
         self._after_collect()
         self.batches += 1
         timings["total_s"] = time.perf_counter() - probe.t0
@@ -604,6 +612,10 @@ class MirroredEngine:
                 raise exc
             raise EngineFailure(f"the {self.name} engine failed at run time: "
                                 f"{type(exc).__name__}: {exc}") from exc
+        # memory pressure: the failed attempt's device arrays must not stay alive through the
+        # retries (its traceback holds the frames that allocated them)
+        exc.__traceback__ = None
+        self._abandon()
         try:
             rows, timings = self._run_adaptive(batch, plan, slots)
         except Exception as exc2:  # noqa: BLE001 - every run-time error becomes EngineFailure
@@ -694,6 +706,10 @@ class MirroredEngine:
 
     def _after_collect(self) -> None:
         """After a pipelined batch was collected (lock held): trim memory."""
+
+    def _abandon(self) -> None:
+        """Before a pipelined batch is run again synchronously after memory pressure (lock
+        held): let go of what its own passes still hold on the device."""
 
     def _is_out_of_memory(self, exc: BaseException) -> bool:
         """Whether ``exc`` is memory pressure (retry smaller) rather than a failure."""
