@@ -58,8 +58,9 @@ Launch count per pass is constant (independent of the number of queries): about 
 (the prefix form's array operations, two RawKernels, one scan, two copies).
 
 ``Candidates.timings`` (seconds): ``sync_s`` (host, step 1), ``upload_s``, ``kernels_s``,
-``copyback_s`` (CUDA events, each on its own stream: steps 2, 3, 4), ``wait_s`` (host seconds
-blocked in step 5), ``total_s`` (host wall clock from submit to result).
+``copyback_s`` (CUDA events, each on its own stream: steps 2, 3, 4), ``stage_s`` (host
+seconds of step 2: writing the pinned buffer and issuing the copies), ``wait_s`` (host
+seconds blocked in step 5), ``total_s`` (host wall clock from submit to result).
 
 What CI (no GPU) covers, and how (docs/performance.md, "GPU engine"):
 - the array algorithm and the slot mirror run on numpy as the ``"xp-numpy"`` engine in the
@@ -301,6 +302,7 @@ class _Pass:
     cap: int = 0  # survivor rows the pass's output holds and copies back
     keep: tuple = ()  # device arrays the overflow path needs: h, pos, flag, wbase, qstart
     sync_s: float = 0.0
+    stage_s: float = 0.0  # host seconds writing the staging buffer and issuing the upload
     rows: np.ndarray | None = None  # host rows once collected
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -480,7 +482,9 @@ class CupyEngine(MirroredEngine):
             # pass stopped reading it (collected already, so this costs the device nothing)
             self._up.wait_event(ev["computed"])
             ev["up0"].record(self._up)
+            t_stage = time.perf_counter()
             wbase, qstart, tokens = self._stage(slot, batch, plan, self._up, in_place)
+            job.stage_s = time.perf_counter() - t_stage
             ev["uploaded"].record(self._up)
             w = plan.windows
             cap = job.cap = self._guess_rows(w)
@@ -531,6 +535,7 @@ class CupyEngine(MirroredEngine):
                 rows = self._overflow(job, n)
             timings = {
                 "sync_s": job.sync_s,
+                "stage_s": job.stage_s,
                 "upload_s": cp.cuda.get_elapsed_time(ev["up0"], ev["uploaded"]) / 1e3,
                 "kernels_s": cp.cuda.get_elapsed_time(ev["k0"], ev["computed"]) / 1e3,
                 "copyback_s": cp.cuda.get_elapsed_time(ev["d0"], ev["done"]) / 1e3,

@@ -82,10 +82,11 @@ def assert_measures_everything(summary: dict) -> None:
     assert set(f["engine_bench"]) == {"4x1024", "8x1024"} if f.get("fake") else {"64x32768", "256x32768"}
     for row in f["engine_bench"].values():
         for key in ("cpu_windows_per_s", "gpu_device_only_windows_per_s", "gpu_serial_windows_per_s",
-                    "gpu_pipelined_windows_per_s", "gpu_pipelined_lent_windows_per_s", "pipelined_over_device_only"):
+                    "gpu_pipelined_windows_per_s", "gpu_pipelined_lent_windows_per_s",
+                    "gpu_pipelined_prestaged_windows_per_s", "pipelined_over_device_only"):
             assert isinstance(row[key], (int, float)) and row[key] > 0, key
-        for mode in ("serial", "pipelined", "pipelined_lent"):
-            assert {"upload_s", "kernels_s", "copyback_s", "wait_s", "total_s"} <= set(row[f"gpu_{mode}_timings_s"])
+        for mode in ("serial", "pipelined", "pipelined_lent", "pipelined_prestaged"):
+            assert {"stage_s", "upload_s", "kernels_s", "copyback_s", "wait_s", "total_s"} <= set(row[f"gpu_{mode}_timings_s"])
     sb = f["service_bench"]
     for engine in ("gpu", "cpu"):
         shapes = {k: v for k, v in sb[engine].items() if k.isdigit()}
