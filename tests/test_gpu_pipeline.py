@@ -320,3 +320,63 @@ def test_probe_async_on_an_engine_without_it():
         assert_same(g, CPU.probe(b, slots))
     with pytest.raises(ValueError):
         list(probe_many(Plain(), batches, slots, depth=0))
+
+
+# --------------------------------------------------------------------------------------
+# the same on a real device (``-m gpu``; skipped without one, failed with
+# BLENDMATCH_REQUIRE_GPU=1): real streams, events and pinned memory
+# --------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_device_pipeline_matches_the_cpu_engine():
+    from engines import gpu_engine_or_skip
+
+    eng = gpu_engine_or_skip("fused")
+    try:
+        assert eng.pipelined
+        batches, slots = workload(31, 12, max_len=20_000)
+        wants = [CPU.probe(b, slots) for b in batches]
+        for depth in (1, 2, 3, 5):
+            for g, w in zip(probe_many(eng, batches, slots, depth=depth), wants, strict=True):
+                assert_same(g, w)
+        eng.max_pass_tokens = 7_000  # split passes, more in flight than staging sets
+        for g, w in zip(probe_many(eng, batches, slots, depth=3), wants, strict=True):
+            assert_same(g, w)
+        eng.max_pass_tokens = 1 << 26
+        eng.min_copy_rows, eng._rate = 1, 0.0  # every pass with survivors overflows its copy-back
+        for g, w in zip(probe_many(eng, batches, slots, depth=2), wants, strict=True):
+            assert_same(g, w)
+        assert eng.overflows > 0
+        for b, w in zip(batches, wants, strict=True):  # tokens written into the lent pinned area
+            lent = eng.lend_tokens(b.num_queries, b.num_tokens)
+            lent[:] = b.tokens
+            assert_same(eng.probe_async(QueryBatch(lent, b.offsets, b.window, b.stride), slots).result(), w)
+        assert eng.in_place_passes == len(batches)
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+def test_device_failover_mid_pipeline():
+    from engines import gpu_engine_or_skip
+
+    inner = gpu_engine_or_skip("fused")
+    eng = gpu_select.FailoverEngine(inner)
+    batches, slots = workload(33, 8)
+    wants = [CPU.probe(b, slots) for b in batches]
+    flag = inner._k_flag
+
+    def gen():
+        for i, b in enumerate(batches):
+            if i == 4:
+                def broken(*args, **kwargs):
+                    raise RuntimeError("cudaErrorLaunchFailure: simulated")
+                inner._k_flag = broken
+            yield b
+
+    try:
+        for g, w in zip(probe_many(eng, gen(), slots, depth=3), wants, strict=True):
+            assert_same(g, w)
+        assert eng.failovers == 1 and eng.name == "cpu"
+    finally:
+        inner._k_flag = flag
+        eng.close()
