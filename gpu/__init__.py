@@ -2,8 +2,9 @@
 
 ``gpu`` sees token arrays and slot tables, never namespaces or chunk hashes, and imports
 nothing else of the project. It holds THE fingerprint (``fingerprint``), the batch types,
-the engine contract (``engine``), the engines (``reference``, ``cpu``, ``xp_probe``,
-``cupy_engine``) and their selection with the GPU -> CPU failover (``select``). Nothing
+the engine contract (``engine``, with the pipelined ``probe_async``/``probe_many``), the
+engines (``reference``, ``cpu``, ``xp_probe``, ``cupy_engine`` with its kernels' source in
+``cuda_kernels``) and their selection with the GPU -> CPU failover (``select``). Nothing
 here imports ``cupy`` at module level; ``cupy_engine`` imports it inside its functions.
 
 Why the CPU engine and the numpy oracle live in a room named ``gpu``: the room is the

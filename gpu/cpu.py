@@ -41,7 +41,7 @@ from .fingerprint import B_U64, base_powers, mix64_scalar, roll_step, tag_of_mix
 from .occupancy import is_occupied
 
 from .batch import Candidates, QueryBatch
-from .engine import SlotSource
+from .engine import ReadyProbe, SlotSource
 
 __all__ = ["CHAINS", "CpuEngine", "ITEM_WINDOWS", "LANE"]
 
@@ -373,6 +373,13 @@ class CpuEngine:
         else:
             qi, st, fp = _probe_serial(*args)
         return Candidates(qi, st, fp, int(total))
+
+    #: no device pipeline: :meth:`probe_async` answers at submit
+    pipelined = False
+
+    def probe_async(self, batch: QueryBatch, slots: SlotSource) -> ReadyProbe:
+        """The pipelined API (``gpu/engine.py``) on the host: the batch is answered now."""
+        return ReadyProbe(self.probe(batch, slots))
 
     def close(self) -> None:
         pass

@@ -4,36 +4,46 @@ Question answered: "which valid windows of this batch survive the slot-array pro
 ``Engine`` contract of ``gpu/engine.py``, bit-identical to the reference engine, on an
 NVIDIA GPU. CuPy is imported lazily (inside functions): importing this module never needs it.
 
-One batch (``CupyEngine.probe``), all on one non-blocking stream, under the engine lock:
+One pass (``CupyEngine._submit`` then ``_collect``; ``probe`` does both, ``probe_async``
+returns between them), under the engine lock, on three non-blocking streams ordered only by
+the events of the pass's staging set (one of a ring of :data:`PIPELINE_DEPTH`):
 
-1. **Slot mirror sync** (``xp_probe.SlotMirror``): ``slots.changes_since(gen, ver)``; a new
-   generation (or a trimmed log, or another source) uploads the table whole; otherwise the
-   changes are deduplicated on the host (last write wins, ``dedupe_last_write``) and applied
-   with one device scatter.
-2. **Upload**: plan (``wbase``, ``qstart``) and tokens are written into a pinned staging
-   buffer (grown as needed) and copied to a resident device buffer with asynchronous copies,
-   in 4 MiB pieces so host copying overlaps the transfer (``xp_probe.stage_upload``).
-3. **Kernels** (``kernels="fused"``, the default):
+1. **Slot mirror sync** (``xp_probe.SlotMirror``, on the compute stream):
+   ``slots.changes_since(gen, ver)``; a new generation (or a trimmed log, or another source)
+   uploads the table whole; otherwise the changes are deduplicated on the host (last write
+   wins, ``dedupe_last_write``) and applied with one device scatter.
+2. **Upload** (upload stream, after the set's previous pass stopped reading its device
+   input): plan (``wbase``, ``qstart``) and tokens are written into the set's pinned staging
+   buffer (grown as needed) and copied to its device buffer with asynchronous copies, in
+   4 MiB pieces so host copying overlaps the transfer (``xp_probe.stage_upload``); tokens
+   already decoded into the lent area (:meth:`CupyEngine.lend_tokens`) go in one copy with
+   no host copy. Event ``uploaded``.
+3. **Kernels** (compute stream, waits for ``uploaded``; ``kernels="fused"``, the default):
    a. ``H = fingerprint.prefix_fingerprints(tokens, C, cupy)`` -- THE hash in its prefix
       form, as CuPy array operations (multiply, cumsum, subtract, multiply);
    b. ``bm_flag_kernel`` (RawKernel, grid-stride over the windows, at most
       ``BLOCKS_PER_SM`` blocks per SM): window -> query by binary search in ``wbase`` ->
       ``fp = H[start]`` -> fmix64 -> slot, tag -> one table load ->
       ``flag[w] = (v == tag) | (v == 255)``;
-   c. ``pos = cupy.cumsum(flag)`` (CUB scan), and the survivor count ``n = pos[W-1]`` is read
-      back (8 bytes: **synchronisation 1**);
-   d. an output of exactly ``n`` rows (24 bytes per survivor, not per window), and
+   c. ``pos = cupy.cumsum(flag)`` (CUB scan);
+   d. an output of ``cap`` rows, ``cap`` guessed before the count is known (twice the
+      highest recent survivor rate times the windows, at least ``min_copy_rows``), and
       ``bm_scatter_kernel``: survivor ``w`` writes row ``pos[w] - 1`` = ``[q, cur_st, fp]``
-      (order-preserving: rows ascend with ``w``, i.e. with ``(query, cur_st)``).
-   ``kernels="array"`` runs ``xp_probe.ArrayProbe`` with ``xp=cupy`` instead (the exact lines
-   CI runs on numpy; more launches, no custom CUDA; its ``int(pos[-1])`` is synchronisation 1).
-4. **Copy-back**: the packed ``(n, 3)`` uint64 rows come back in one device-to-host copy into
-   a pinned buffer; the stream is synchronised once more (**synchronisation 2**, which also
-   completes the timing events), and the rows are unpacked into fresh host arrays.
+      when it is below ``cap`` (order-preserving: rows ascend with ``w``, i.e. with
+      ``(query, cur_st)``). Event ``computed``.
+4. **Copy-back** (copy-back stream, waits for ``computed``): the survivor count
+   ``pos[W-1]`` and the ``cap`` rows into the set's pinned memory. Event ``done``.
+5. **Collect**: the host waits for ``done`` -- **the one host synchronisation of the pass** --
+   and reads the count ``n``; when ``n <= cap`` the first ``n`` rows are the answer. Else
+   (``overflows``) the scatter runs again into exactly ``n`` rows, which are copied back and
+   waited for (a second synchronisation).
+   ``kernels="array"`` runs ``xp_probe.ArrayProbe`` with ``xp=cupy`` instead, synchronously
+   on the compute stream (the exact lines CI runs on numpy; more launches, no custom CUDA;
+   its ``int(pos[-1])`` and its copy-back are two synchronisations), and does not pipeline.
 
-Two host synchronisations per pass, not one: the count must be on the host before the output
-can be sized by it (sizing the output for every window costs 24 bytes per window and ran
-large batches out of memory), and the rows must be on the host before they are read.
+So with ``probe_async``, pass N+1's upload runs while pass N's kernels run and pass N-1's
+rows copy back. A staging set is reused only after its pass was collected (a submit that
+finds it uncollected collects it first: ``ring_waits``).
 
 Passes, memory and limits (``xp_probe.MirroredEngine``): a batch over ``max_pass_tokens``
 (default :data:`DEFAULT_PASS_TOKENS`, never above ``SCAN_LIMIT`` = 2^31 - 1, where CuPy's
@@ -48,8 +58,9 @@ Launch count per pass is constant (independent of the number of queries): about 
 (the prefix form's array operations, two RawKernels, one scan, two copies).
 
 ``Candidates.timings`` (seconds): ``sync_s`` (host, step 1), ``upload_s``, ``kernels_s``,
-``copyback_s`` (CUDA events on the engine's stream; ``upload_s`` spans step 1's device part
-and step 2), ``total_s`` (host wall clock for the whole probe).
+``copyback_s`` (CUDA events, each on its own stream: steps 2, 3, 4), ``stage_s`` (host
+seconds of step 2: writing the pinned buffer and issuing the copies), ``wait_s`` (host
+seconds blocked in step 5), ``total_s`` (host wall clock from submit to result).
 
 What CI (no GPU) covers, and how (docs/performance.md, "GPU engine"):
 - the array algorithm and the slot mirror run on numpy as the ``"xp-numpy"`` engine in the
@@ -76,8 +87,9 @@ engine); out-of-memory -> retried as above; any other error while probing (a CUD
 lost device) -> ``EngineFailure`` wrapping it, after which the mirror is invalidated (the next
 batch re-uploads the table). ``select.FailoverEngine`` then moves to the CPU engine.
 
-Thread safety: one lock per engine around ``probe``; the stream, events and staging buffers
-belong to the engine and are only touched under that lock.
+Thread safety: one lock per engine around each submit and each collect; the streams, events
+and staging sets belong to the engine and are only touched under that lock. A failure (or
+``close``) loses every pass in flight: their handles raise ``EngineFailure``.
 """
 
 from __future__ import annotations
@@ -88,13 +100,14 @@ import importlib.util
 import logging
 import time
 from types import ModuleType
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 
-from . import fingerprint as _fp
 from .batch import QueryBatch
-from .engine import EngineBroken, EngineUnavailable, SlotSource
+from .engine import EngineBroken, EngineFailure, EngineUnavailable, SlotSource
+from .cuda_kernels import BLOCK, BLOCKS_PER_SM, KERNEL_NAMES, KERNEL_SOURCE, launch_dims
 from .xp_probe import (
     STAGING_PIECE,
     ArrayProbe,
@@ -116,6 +129,8 @@ __all__ = [
     "KERNELS_ENV",
     "KERNEL_MODES",
     "KERNEL_SOURCE",
+    "MIN_COPY_ROWS",
+    "PIPELINE_DEPTH",
     "gpu_unavailable",
     "gpu_unavailable_reason",
     "is_out_of_memory",
@@ -129,126 +144,8 @@ log = logging.getLogger(__name__)
 KERNEL_MODES = ("fused", "array")
 #: Environment override of the kernel mode for ``select_engine("gpu"|"auto")``.
 KERNELS_ENV = "BLENDMATCH_GPU_KERNELS"
-#: Threads per block of the RawKernels (memory-bound; 256 keeps occupancy high on any SM).
-BLOCK = 256
-#: Blocks per SM at most; the kernels loop grid-stride over the remaining windows.
-BLOCKS_PER_SM = 32
-
 _INSTALL_HINT = ("install it with pip install 'blendmatch[gpu-cuda12]' (CUDA 12) or "
                  "'blendmatch[gpu-cuda13]' (CUDA 13)")
-
-
-# --------------------------------------------------------------------------------------
-# the fused kernels: one source, compiled by NVRTC on a GPU and by a C compiler in CI
-# --------------------------------------------------------------------------------------
-def _render_source() -> str:
-    """CUDA C source of the fused kernels, with THE hash's constants from ``fingerprint.py``.
-
-    The per-window bodies are ``BM_FN`` functions; the ``__global__`` kernels are grid-stride
-    loops over them. The text is CUDA C++ only: NVRTC compiles it on a GPU (and in CI, from
-    the pip wheel, for sm_90: ``tests/test_gpu_nvrtc.py``); CI also compiles the same text as
-    host C++ with an emulation header (``tests/cuda_emulation.h``) and runs its kernels over
-    shuffled threads (``tests/test_gpu_host_emulation.py``, ``tests/fake_cupy.py``).
-    Slot and tag follow ``fingerprint.slots_and_tags``: ``m = fmix64(F)``,
-    ``slot = m & mask``, ``tag = 1 + ((m >> 56) * 254 >> 8)``; survival: ``v == tag || v == 255``.
-    """
-    c1 = int(_fp.FMIX_C1)
-    c2 = int(_fp.FMIX_C2)
-    return f"""
-/* blendmatch fused probe kernels (generated by blendmatch.gpu.cupy_engine; do not edit). */
-#if !defined(__CUDACC__) && !defined(__CUDACC_RTC__) && !defined(BM_HOST_EMULATION)
-#error "compile with NVRTC or nvcc, or as C++ with an emulation header that defines BM_HOST_EMULATION"
-#endif
-#define BM_FN __device__ __forceinline__
-
-typedef unsigned long long bm_u64;
-typedef long long bm_i64;
-
-#define BM_FMIX_C1 {c1:#x}ULL
-#define BM_FMIX_C2 {c2:#x}ULL
-#define BM_TAG_SHARED {_fp.TAG_SHARED}u
-
-/* murmur3 fmix64 (fingerprint.mix64). */
-BM_FN bm_u64 bm_fmix64(bm_u64 h) {{
-    h ^= h >> 33;
-    h *= BM_FMIX_C1;
-    h ^= h >> 33;
-    h *= BM_FMIX_C2;
-    h ^= h >> 33;
-    return h;
-}}
-
-/* The query of window w: the last q in [0, nq) with wbase[q] <= w (wbase[0] == 0, wbase is
-   non-decreasing, so this skips queries without windows). */
-BM_FN bm_i64 bm_query_of(bm_i64 w, const bm_i64* __restrict__ wbase, bm_i64 nq) {{
-    bm_i64 lo = 0, hi = nq - 1;
-    while (lo < hi) {{
-        bm_i64 mid = lo + ((hi - lo + 1) >> 1);
-        if (wbase[mid] <= w) lo = mid; else hi = mid - 1;
-    }}
-    return lo;
-}}
-
-/* 1 if window w survives the probe, else 0. H[i] is F(tokens[i:i+C]) at global position i. */
-BM_FN unsigned char bm_flag_one(bm_i64 w, const bm_u64* __restrict__ H,
-                                const bm_i64* __restrict__ wbase, const bm_i64* __restrict__ qstart,
-                                bm_i64 nq, bm_i64 stride, const unsigned char* __restrict__ table,
-                                bm_u64 mask) {{
-    bm_i64 q = bm_query_of(w, wbase, nq);
-    bm_u64 m = bm_fmix64(H[qstart[q] + (w - wbase[q]) * stride]);
-    unsigned int tag = 1u + (unsigned int)(((m >> 56) * 254ULL) >> 8);
-    unsigned int v = table[m & mask];
-    return (unsigned char)(v == tag || v == BM_TAG_SHARED);
-}}
-
-/* A surviving window w writes its row pos[w] - 1 = [query, cur_st, fingerprint]. */
-BM_FN void bm_scatter_one(bm_i64 w, const bm_u64* __restrict__ H, const bm_i64* __restrict__ pos,
-                          const unsigned char* __restrict__ flag, const bm_i64* __restrict__ wbase,
-                          const bm_i64* __restrict__ qstart, bm_i64 nq, bm_i64 stride,
-                          bm_u64* __restrict__ out) {{
-    if (!flag[w]) return;
-    bm_i64 r = pos[w] - 1;
-    bm_i64 q = bm_query_of(w, wbase, nq);
-    bm_i64 cur = (w - wbase[q]) * stride;
-    out[3 * r] = (bm_u64)q;
-    out[3 * r + 1] = (bm_u64)cur;
-    out[3 * r + 2] = H[qstart[q] + cur];
-}}
-
-extern "C" __global__ void bm_flag_kernel(const bm_u64* __restrict__ H, const bm_i64* __restrict__ wbase,
-                                          const bm_i64* __restrict__ qstart, const bm_i64 nq,
-                                          const bm_i64 W, const bm_i64 stride,
-                                          const unsigned char* __restrict__ table, const bm_u64 mask,
-                                          unsigned char* __restrict__ flag) {{
-    const bm_i64 step = (bm_i64)blockDim.x * gridDim.x;
-    for (bm_i64 w = (bm_i64)blockIdx.x * blockDim.x + threadIdx.x; w < W; w += step)
-        flag[w] = bm_flag_one(w, H, wbase, qstart, nq, stride, table, mask);
-}}
-
-extern "C" __global__ void bm_scatter_kernel(const bm_u64* __restrict__ H, const bm_i64* __restrict__ pos,
-                                             const unsigned char* __restrict__ flag,
-                                             const bm_i64* __restrict__ wbase,
-                                             const bm_i64* __restrict__ qstart, const bm_i64 nq,
-                                             const bm_i64 W, const bm_i64 stride,
-                                             bm_u64* __restrict__ out) {{
-    const bm_i64 step = (bm_i64)blockDim.x * gridDim.x;
-    for (bm_i64 w = (bm_i64)blockIdx.x * blockDim.x + threadIdx.x; w < W; w += step)
-        bm_scatter_one(w, H, pos, flag, wbase, qstart, nq, stride, out);
-}}
-"""
-
-
-#: The fused kernels' source (CUDA C++; see ``_render_source``).
-KERNEL_SOURCE = _render_source()
-#: The kernels ``KERNEL_SOURCE`` defines (entry points of the compiled module).
-KERNEL_NAMES = ("bm_flag_kernel", "bm_scatter_kernel")
-
-
-def launch_dims(windows: int, max_blocks: int) -> tuple[tuple[int], tuple[int]]:
-    """``(grid, block)`` of one launch over ``windows`` windows: at most ``max_blocks`` blocks
-    of :data:`BLOCK` threads; the kernels' grid-stride loops cover the rest. On an H200
-    (132 SMs) ``max_blocks`` is ``132 * BLOCKS_PER_SM``."""
-    return (int(max(1, min((windows + BLOCK - 1) // BLOCK, max_blocks))),), (BLOCK,)
 
 
 # --------------------------------------------------------------------------------------
@@ -371,6 +268,43 @@ KEEP_BYTES = 256 << 20
 #: memory of a pass is about 60 bytes per token (tokens, prefix hash and its scan, flags,
 #: positions), so a full pass of 2^26 tokens needs about 4 GiB beside the slot mirror.
 DEFAULT_PASS_TOKENS = 1 << 26
+#: Staging sets in the engine's ring: pass N+1 uploads from one while pass N's kernels read
+#: another and pass N-1's rows copy back into the third.
+PIPELINE_DEPTH = 3
+#: Fewest survivor rows a pass copies back before its count is known (see ``CupyEngine``).
+MIN_COPY_ROWS = 4096
+
+
+class _Slot:
+    """One staging set of the ring: pinned input, its device copy, pinned output, the
+    survivor count's pinned word, and the events that order the three streams for the pass
+    that uses it. ``job`` is the pass in flight from it (None once collected)."""
+
+    def __init__(self, cp: Any, cupyx: Any, dev_alloc: Any) -> None:
+        self.pin_in = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
+        self.pin_out = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
+        self.dev_in = _Grown(dev_alloc)
+        self.pin_count = cupyx.empty_pinned((1,), dtype=np.int64)
+        self.ev = {k: cp.cuda.Event() for k in ("up0", "uploaded", "k0", "computed", "d0", "done")}
+        self.job: _Pass | None = None
+
+    def grown(self) -> tuple[_Grown, _Grown, _Grown]:
+        return self.pin_in, self.pin_out, self.dev_in
+
+
+@dataclass(eq=False)
+class _Pass:
+    """A pass submitted to the device and not yet collected (see ``CupyEngine``)."""
+
+    slot: _Slot
+    plan: WindowPlan
+    epoch: int
+    cap: int = 0  # survivor rows the pass's output holds and copies back
+    keep: tuple = ()  # device arrays the overflow path needs: h, pos, flag, wbase, qstart
+    sync_s: float = 0.0
+    stage_s: float = 0.0  # host seconds writing the staging buffer and issuing the upload
+    rows: np.ndarray | None = None  # host rows once collected
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class CupyEngine(MirroredEngine):
@@ -381,6 +315,20 @@ class CupyEngine(MirroredEngine):
     CUDA device id (default: the current device). ``max_pass_tokens``: tokens per device pass
     (capped at ``SCAN_LIMIT``). ``keep_bytes``: memory kept between batches (see
     :data:`KEEP_BYTES`). Kernels are compiled in the constructor.
+
+    Pipelined (``kernels="fused"``): :meth:`probe_async` submits a batch and returns at once;
+    its handle's ``result()`` waits for it. Each pass takes a staging set of a ring of
+    :data:`PIPELINE_DEPTH` and runs on three streams ordered by that set's events only:
+    upload (pinned -> device), compute (waits for the upload: hash, flag, scan, scatter into
+    an output of ``cap`` rows), copy-back (waits for the compute: the survivor count and
+    ``cap`` rows into pinned memory). ``cap`` is a guess made before the count is known:
+    twice the highest recent survivor rate times the pass's windows, at least
+    :attr:`min_copy_rows`; so the host synchronises once per pass (on the copy-back's last
+    event, in ``result()``). A pass with more survivors than ``cap`` (``overflows``) scatters
+    again into an exact output and copies it back: a second synchronisation, rare. A staging
+    set is reused only after its pass was collected (``ring_waits`` counts the times a submit
+    had to collect one first). :meth:`lend_tokens` lends the next set's pinned token area so
+    a caller can decode straight into it (no host copy at submit).
     """
 
     name = "gpu"
@@ -396,10 +344,14 @@ class CupyEngine(MirroredEngine):
         self.kernels = kernels
         self.keep_bytes = int(keep_bytes)
         self.staging_piece = STAGING_PIECE
+        self.min_copy_rows = MIN_COPY_ROWS
+        self._rate = 1.0 / 64  # survivors per window, highest recent (sizes the copy-back)
         self._device = cp.cuda.Device(device) if device is not None else cp.cuda.Device()
         with self._device:
             self.device_name = _device_name(cp, self._device)
-            self._stream = cp.cuda.Stream(non_blocking=True)
+            self._stream = cp.cuda.Stream(non_blocking=True)  # compute (and the mirror's updates)
+            self._up = cp.cuda.Stream(non_blocking=True)
+            self._down = cp.cuda.Stream(non_blocking=True)
             self._events = [cp.cuda.Event() for _ in range(4)]
             # the engine's own pool: what it caches can be measured and trimmed without
             # touching other users of CuPy's default pool in the process
@@ -411,10 +363,9 @@ class CupyEngine(MirroredEngine):
             except Exception:  # noqa: BLE001 - only sizes the grid
                 sms = 132
             self.max_blocks = max(1, sms * BLOCKS_PER_SM)
-            self._pin_in = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
-            self._pin_out = _Grown(lambda n: cupyx.empty_pinned((n,), dtype=np.uint8))
-            self._pin_count = cupyx.empty_pinned((1,), dtype=np.int64)
-            self._dev_in = _Grown(self._dev_alloc)
+            self._slots = [_Slot(cp, cupyx, self._dev_alloc) for _ in range(PIPELINE_DEPTH)]
+            self._next = 0
+            self._lent: tuple[_Slot, int, int] | None = None  # (slot, queries, tokens) lent out
             self._k_flag = self._k_scatter = None
             if kernels == "fused":
                 # no -std option: the source is plain C-style CUDA; CuPy adds its default
@@ -423,8 +374,18 @@ class CupyEngine(MirroredEngine):
                     module = cp.RawModule(code=KERNEL_SOURCE)
                 self._k_flag = module.get_function("bm_flag_kernel")
                 self._k_scatter = module.get_function("bm_scatter_kernel")
+        self._epoch = 0  # bumped by a failure or close: passes of an older epoch are lost
+        self._one_slot = False  # set while a synchronous probe runs (see _take_slot)
         self.device_batches = 0
         self.trims = 0
+        self.overflows = 0
+        self.ring_waits = 0
+        self.in_place_passes = 0  # passes whose tokens were decoded into the lent staging area
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether :meth:`probe_async` overlaps batches (the fused kernels do)."""
+        return self.kernels == "fused"
 
     # -- helpers (lock held) --------------------------------------------------------------
     def _dev_alloc(self, n: int) -> Any:
@@ -432,83 +393,201 @@ class CupyEngine(MirroredEngine):
             return self._cp.empty((n,), dtype=self._cp.uint8)
 
     def _to_device(self, host: np.ndarray) -> Any:
-        """Copy a host array to the device on the engine's stream (used by the mirror)."""
+        """Copy a host array to the device on the compute stream (used by the mirror)."""
         dev = self._cp.empty(host.shape, dtype=host.dtype)
         dev.set(np.ascontiguousarray(host), stream=self._stream)
         return dev
 
-    def _stage(self, batch: QueryBatch, plan: WindowPlan) -> tuple[Any, Any, Any]:
-        """Plan + tokens through the pinned buffer, asynchronous copies on the stream."""
-        tokens = np.ascontiguousarray(batch.tokens, dtype=np.uint32)
-        nq, n = plan.num_queries, int(tokens.shape[0])
+    def _take_slot(self) -> _Slot:
+        """The next staging set of the ring (not the lent one), its last pass collected."""
+        lent = self._lent[0] if self._lent is not None else None
+        if self._one_slot:  # a synchronous probe: the last set again (one set's memory, not three)
+            self._next = (self._next - 1) % PIPELINE_DEPTH
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % PIPELINE_DEPTH
+        if slot is lent:
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % PIPELINE_DEPTH
+        if slot.job is not None:
+            self.ring_waits += 1
+            self._collect_pass(slot.job)
+        return slot
+
+    def lend_tokens(self, num_queries: int, num_tokens: int) -> np.ndarray | None:
+        """A writable uint32 array of ``num_tokens`` in the next staging set's pinned memory,
+        for a batch of ``num_queries`` queries: fill it and submit a ``QueryBatch`` whose
+        ``tokens`` is this array, and the submit skips the host copy. ``None`` when the engine
+        does not pipeline or the batch would not run in one pass. A later call takes the lent
+        area back (an earlier loan must then not be used)."""
+        with self._lock:
+            if self._closed or not self.pipelined or num_tokens > self.max_pass_tokens or num_tokens < 1:
+                return None
+            self._lent = None
+            slot = self._take_slot()
+            _, tokens_at, total = staging_layout(num_queries, num_tokens)
+            host = slot.pin_in.get(total)
+            self._lent = (slot, num_queries, num_tokens)
+            return host[tokens_at:total].view(np.uint32)
+
+    def _slot_for(self, batch: QueryBatch, plan: WindowPlan) -> tuple[_Slot, bool]:
+        """The staging set for ``batch``: the lent one when its tokens are already there
+        (the loan is then used up); otherwise the next set, never the lent one (another
+        caller's batch must not overwrite tokens decoded into a loan not yet submitted)."""
+        lent = self._lent
+        if lent is not None:
+            slot, nq, n = lent
+            if nq == plan.num_queries and n == batch.num_tokens and slot.pin_in.buf is not None:
+                _, tokens_at, _ = staging_layout(nq, n)
+                if batch.tokens.ctypes.data == slot.pin_in.buf.ctypes.data + tokens_at:
+                    self._lent = None
+                    self.in_place_passes += 1
+                    return slot, True
+        return self._take_slot(), False
+
+    def _stage(self, slot: _Slot, batch: QueryBatch, plan: WindowPlan, stream: Any,
+               in_place: bool) -> tuple[Any, Any, Any]:
+        """Plan + tokens through the slot's pinned buffer, asynchronous copies on ``stream``."""
+        nq, n = plan.num_queries, batch.num_tokens
         total = staging_layout(nq, n)[2]
-        host = self._pin_in.get(total)
-        dev = self._dev_in.get(total)
+        host = slot.pin_in.get(total)
+        dev = slot.dev_in.get(total)
         base_h = host.ctypes.data
         base_d = dev.data
-        stream = self._stream
 
         def copy(offset: int, nbytes: int) -> None:
             (base_d + offset).copy_from_host_async(ctypes.c_void_p(base_h + offset), nbytes, stream)
 
-        stage_upload(host, plan, tokens, copy, piece=self.staging_piece)
+        tokens = None if in_place else np.ascontiguousarray(batch.tokens, dtype=np.uint32)
+        stage_upload(host, plan, tokens, copy, piece=self.staging_piece, num_tokens=n)
         return staging_views(dev, nq, n)
 
-    def _fused_rows(self, tokens: Any, wbase: Any, qstart: Any, plan: WindowPlan, table: Any) -> tuple[Any, int]:
-        """Hash, flag, scan; read the survivor count (synchronisation 1 of 2); then an output
-        of exactly that many rows and the scatter. Returns ``(rows on the device, n)``."""
+    def _guess_rows(self, windows: int) -> int:
+        return int(min(windows, max(self.min_copy_rows, int(2 * self._rate * windows) + 1)))
+
+    # -- one pass: submit (no host synchronisation), collect (one) ------------------------
+    def _submit(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> _Pass:
+        if self.kernels != "fused":
+            rows, timings = self._run_array(batch, plan, slots)
+            return _Pass(self._slots[0], plan, self._epoch, rows=rows, timings=timings)
         cp = self._cp
-        w = plan.windows
-        h = self._array.fingerprints(tokens, plan.window)
-        nq, ww, stride = np.int64(plan.num_queries), np.int64(w), np.int64(plan.stride)
-        mask = np.uint64(int(table.shape[0]) - 1)
-        grid, block = launch_dims(w, self.max_blocks)
-        flag = cp.empty((w,), dtype=cp.uint8)
-        self._k_flag(grid, block, (h, wbase, qstart, nq, ww, stride, table, mask, flag))
-        pos = cp.cumsum(flag, dtype=cp.int64)
-        # the survivor count: 8 bytes back; it sizes the output (24 B per survivor instead of
-        # per window) and the copy-back, so it must be on the host before either is issued
-        pos[w - 1:w].data.copy_to_host_async(ctypes.c_void_p(self._pin_count.ctypes.data), 8, self._stream)
-        self._stream.synchronize()
-        n = int(self._pin_count[0])
-        if n == 0:
-            return None, 0
-        out = cp.empty((n, 3), dtype=cp.uint64)
-        self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, nq, ww, stride, out))
-        return out, n
+        t0 = time.perf_counter()
+        slot, in_place = self._slot_for(batch, plan)
+        ev = slot.ev
+        job = _Pass(slot, plan, self._epoch)
+        with self._device, cp.cuda.using_allocator(self._pool.malloc):
+            with self._stream:
+                self._mirror.sync(slots)  # on the compute stream: ordered before this pass's kernels
+            job.sync_s = time.perf_counter() - t0
+            # the upload may overwrite the slot's device input only after the slot's last
+            # pass stopped reading it (collected already, so this costs the device nothing)
+            self._up.wait_event(ev["computed"])
+            ev["up0"].record(self._up)
+            t_stage = time.perf_counter()
+            wbase, qstart, tokens = self._stage(slot, batch, plan, self._up, in_place)
+            job.stage_s = time.perf_counter() - t_stage
+            ev["uploaded"].record(self._up)
+            w = plan.windows
+            cap = job.cap = self._guess_rows(w)
+            with self._stream:
+                self._stream.wait_event(ev["uploaded"])
+                ev["k0"].record(self._stream)
+                h = self._array.fingerprints(tokens, plan.window)
+                grid, block = launch_dims(w, self.max_blocks)
+                flag = cp.empty((w,), dtype=cp.uint8)
+                self._k_flag(grid, block, (h, wbase, qstart, np.int64(plan.num_queries), np.int64(w),
+                                           np.int64(plan.stride), self._mirror.table,
+                                           np.uint64(int(self._mirror.table.shape[0]) - 1), flag))
+                pos = cp.cumsum(flag, dtype=cp.int64)
+                out = cp.empty((cap, 3), dtype=cp.uint64)
+                self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, np.int64(plan.num_queries),
+                                              np.int64(w), np.int64(plan.stride), np.int64(cap), out))
+                ev["computed"].record(self._stream)
+            self._down.wait_event(ev["computed"])
+            ev["d0"].record(self._down)
+            pos[w - 1:w].data.copy_to_host_async(ctypes.c_void_p(slot.pin_count.ctypes.data), 8, self._down)
+            host = slot.pin_out.get(cap * 24)
+            out.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), cap * 24, self._down)
+            ev["done"].record(self._down)
+        job.keep = (h, pos, flag, wbase, qstart, out)
+        slot.job = job
+        return job
 
-    def _copy_back_async(self, rows: Any, n: int) -> np.ndarray:
-        """Start the one device-to-host copy of the packed rows into pinned memory; the rows
-        are valid on the host after the stream is synchronised (the caller does that)."""
-        if n == 0:
-            return np.zeros((0, 3), dtype=np.uint64)
-        if not rows.flags.c_contiguous:
-            rows = self._cp.ascontiguousarray(rows)
-        nbytes = n * 24
-        host = self._pin_out.get(nbytes)
-        rows.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), nbytes, self._stream)
-        return host[:nbytes].view(np.uint64).reshape(n, 3)
+    def _collect(self, job: _Pass) -> tuple[np.ndarray, dict[str, float]]:
+        if job.rows is None:
+            self._collect_pass(job)
+        assert job.rows is not None
+        return job.rows, job.timings
 
-    # -- MirroredEngine hooks ---------------------------------------------------------------
-    def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
-        """One pass. Two host synchronisations: the survivor count (it sizes the output and
-        the copy-back) and the end of the copy-back (which also completes the events)."""
+    def _collect_pass(self, job: _Pass) -> None:
+        """Wait for ``job`` (the one host synchronisation of a pass) and keep its rows."""
+        if job.epoch != self._epoch:
+            raise EngineFailure(f"the {self.name} engine failed or closed while this batch was on the device")
+        cp, slot, ev = self._cp, job.slot, job.slot.ev
+        t0 = time.perf_counter()
+        with self._device:
+            ev["done"].synchronize()
+            wait_s = time.perf_counter() - t0
+            n = int(slot.pin_count[0])
+            w = job.plan.windows
+            if n <= job.cap:
+                rows = slot.pin_out.buf[:n * 24].view(np.uint64).reshape(n, 3).copy()
+            else:
+                rows = self._overflow(job, n)
+            timings = {
+                "sync_s": job.sync_s,
+                "stage_s": job.stage_s,
+                "upload_s": cp.cuda.get_elapsed_time(ev["up0"], ev["uploaded"]) / 1e3,
+                "kernels_s": cp.cuda.get_elapsed_time(ev["k0"], ev["computed"]) / 1e3,
+                "copyback_s": cp.cuda.get_elapsed_time(ev["d0"], ev["done"]) / 1e3,
+                "wait_s": wait_s,
+            }
+        self._rate = max(n / w, 0.9 * self._rate, 1.0 / (1 << 16))
+        job.rows, job.timings, job.keep = rows, timings, ()
+        if slot.job is job:
+            slot.job = None
+        self.device_batches += 1
+
+    def _overflow(self, job: _Pass, n: int) -> np.ndarray:
+        """More survivors than the guessed rows: scatter again into exactly ``n`` rows, copy
+        them back and wait (a second host synchronisation for this pass)."""
+        cp, slot, ev = self._cp, job.slot, job.slot.ev
+        h, pos, flag, wbase, qstart, _ = job.keep
+        plan = job.plan
+        self.overflows += 1
+        grid, block = launch_dims(plan.windows, self.max_blocks)
+        with cp.cuda.using_allocator(self._pool.malloc), self._stream:
+            out = cp.empty((n, 3), dtype=cp.uint64)
+            self._k_scatter(grid, block, (h, pos, flag, wbase, qstart, np.int64(plan.num_queries),
+                                          np.int64(plan.windows), np.int64(plan.stride), np.int64(n), out))
+            ev["computed"].record(self._stream)
+        self._down.wait_event(ev["computed"])
+        host = slot.pin_out.get(n * 24)
+        out.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), n * 24, self._down)
+        ev["done"].record(self._down)
+        ev["done"].synchronize()
+        return host[:n * 24].view(np.uint64).reshape(n, 3).copy()
+
+    def _run_array(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
+        """``kernels="array"``: one pass on the compute stream, synchronously (its count read
+        is a synchronisation, and the copy-back a second)."""
         cp, stream, ev = self._cp, self._stream, self._events
+        slot = self._take_slot()
         t0 = time.perf_counter()
         with self._device, stream, cp.cuda.using_allocator(self._pool.malloc):
             ev[0].record(stream)
             self._mirror.sync(slots)
             t_sync = time.perf_counter() - t0
-            wbase, qstart, tokens = self._stage(batch, plan)
+            wbase, qstart, tokens = self._stage(slot, batch, plan, stream, False)
             ev[1].record(stream)
-            table = self._mirror.table
-            if self.kernels == "fused":
-                rows, n = self._fused_rows(tokens, wbase, qstart, plan, table)
-            else:
-                rows = self._array.run(tokens, wbase, qstart, plan, table)  # syncs once for n
-                n = int(rows.shape[0])
+            rows = self._array.run(tokens, wbase, qstart, plan, self._mirror.table)  # syncs once for n
+            n = int(rows.shape[0])
             ev[2].record(stream)
-            host = self._copy_back_async(rows, n)
+            host = np.zeros((0, 3), dtype=np.uint64)
+            if n:
+                rows = cp.ascontiguousarray(rows)
+                buf = slot.pin_out.get(n * 24)
+                rows.data.copy_to_host_async(ctypes.c_void_p(buf.ctypes.data), n * 24, stream)
+                host = buf[:n * 24].view(np.uint64).reshape(n, 3)
             ev[3].record(stream)
             stream.synchronize()
             timings = {
@@ -519,17 +598,47 @@ class CupyEngine(MirroredEngine):
             }
             del rows, wbase, qstart, tokens
         self.device_batches += 1
+        return host.copy(), timings
+
+    # -- MirroredEngine hooks ---------------------------------------------------------------
+    def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
+        """One pass, synchronously: submit and collect (one host synchronisation, two on an
+        overflow; ``kernels="array"``: two)."""
+        self._one_slot = True
+        try:
+            rows, timings = self._collect(self._submit(batch, plan, slots))
+        finally:
+            self._one_slot = False
         self._trim()
-        return host, timings
+        return rows, timings
+
+    def _abandon(self) -> None:
+        """Collect every pass in flight (their rows stay with their handles) so that nothing
+        of theirs is held on the device while a batch is retried under memory pressure."""
+        for slot in self._slots:
+            if slot.job is not None:
+                try:
+                    self._collect_pass(slot.job)
+                except Exception:  # noqa: BLE001 - that pass's own handle reports it
+                    slot.job.keep = ()
+                    slot.job = None
+
+    def _after_collect(self) -> None:
+        self._trim()
 
     def _trim(self) -> None:
         """Keep at most ``keep_bytes`` of staging buffers, power tables and cached pool blocks
-        between batches (the slot mirror is kept whatever its size)."""
+        between batches (the slot mirror is kept whatever its size). Staging sets with a
+        pass in flight are kept."""
         trimmed = False
-        for g in (self._pin_in, self._pin_out, self._dev_in):
-            if g.nbytes > self.keep_bytes:
-                g.release()
-                trimmed = True
+        lent = self._lent[0] if self._lent is not None else None
+        for slot in self._slots:
+            if slot.job is not None or slot is lent:
+                continue
+            for g in slot.grown():
+                if g.nbytes > self.keep_bytes:
+                    g.release()
+                    trimmed = True
         if self._array.powers_bytes() > self.keep_bytes:
             self._array.drop_powers()
             trimmed = True
@@ -545,8 +654,9 @@ class CupyEngine(MirroredEngine):
 
     def _free_memory(self) -> None:
         """Drop every buffer the engine can rebuild and give the pools' free blocks back."""
-        for g in (self._pin_in, self._pin_out, self._dev_in):
-            g.release()
+        for slot in self._slots:
+            for g in slot.grown():
+                g.release()
         self._array.drop_powers()
         try:
             with self._device:
@@ -556,16 +666,29 @@ class CupyEngine(MirroredEngine):
         except Exception:  # noqa: BLE001 - freeing is best effort; the retry will tell
             log.debug("freeing GPU memory after an out-of-memory error failed", exc_info=True)
 
-    def _after_failure(self) -> None:
-        super()._after_failure()
-        try:  # no copy may still read or write the staging buffers when the next batch starts
+    def _quiesce(self) -> None:
+        """Every pass in flight is lost (its handle raises ``EngineFailure``); no copy may
+        still read or write the staging buffers when the next pass starts."""
+        self._epoch += 1
+        self._lent = None
+        for slot in self._slots:
+            slot.job = None
+        try:
             with self._device:
-                self._stream.synchronize()
+                for s in (self._up, self._stream, self._down):
+                    s.synchronize()
         except Exception:  # noqa: BLE001 - the device may be gone; the failure is already raised
             log.debug("stream synchronise after a GPU failure failed", exc_info=True)
 
+    def _after_failure(self) -> None:
+        super()._after_failure()
+        self._quiesce()
+
     def _release(self) -> None:
-        self._pin_in.buf = self._pin_out.buf = self._dev_in.buf = None
+        self._quiesce()
+        for slot in self._slots:
+            for g in slot.grown():
+                g.buf = None
         self._array = ArrayProbe(self._cp)
         try:
             with self._device:
@@ -579,45 +702,53 @@ class CupyEngine(MirroredEngine):
         return {
             "pool_bytes": int(self._pool.total_bytes()),
             "pool_used_bytes": int(self._pool.used_bytes()),
-            "pinned_bytes": self._pin_in.nbytes + self._pin_out.nbytes,
-            "staging_device_bytes": self._dev_in.nbytes,
+            "pinned_bytes": sum(s.pin_in.nbytes + s.pin_out.nbytes for s in self._slots),
+            "staging_device_bytes": sum(s.dev_in.nbytes for s in self._slots),
             "powers_bytes": self._array.powers_bytes(),
             "keep_bytes": self.keep_bytes,
         }
 
     @contextlib.contextmanager
     def trial_geometry(self, *, max_blocks: int = 2, staging_piece: int = 4096, floor: int = 4096,
-                       max_pass_tokens: int = 1 << 14) -> Iterator[None]:
-        """Shrink the grid, the staging piece, the buffers' floor and the pass size, so that a
-        small self-test runs many grid-stride iterations, multi-piece uploads, buffer growth
-        and split batches: the paths a full-size batch takes on a real device."""
-        saved = (self.max_blocks, self.staging_piece, self._pin_in.floor, self.max_pass_tokens)
+                       max_pass_tokens: int = 1 << 14, min_copy_rows: int = 8) -> Iterator[None]:
+        """Shrink the grid, the staging piece, the buffers' floor, the pass size and the rows
+        copied back before the count is known, so that a small self-test runs many
+        grid-stride iterations, multi-piece uploads, buffer growth, split batches and
+        overflowing copy-backs: the paths a full-size batch takes on a real device."""
+        saved = (self.max_blocks, self.staging_piece, self._slots[0].pin_in.floor, self.max_pass_tokens,
+                 self.min_copy_rows, self._rate)
         with self._lock:
             self.max_blocks, self.staging_piece, self.max_pass_tokens = max_blocks, staging_piece, max_pass_tokens
-            for g in (self._pin_in, self._pin_out, self._dev_in):
-                g.floor = floor
-                g.release()
+            self.min_copy_rows, self._rate = min_copy_rows, 1.0 / (1 << 16)
+            for slot in self._slots:
+                for g in slot.grown():
+                    g.floor = floor
+                    g.release()
         try:
             yield
         finally:
             with self._lock:
-                self.max_blocks, self.staging_piece, floor0, self.max_pass_tokens = saved
-                for g in (self._pin_in, self._pin_out, self._dev_in):
-                    g.floor = floor0
-                    g.release()
+                self.max_blocks, self.staging_piece, floor0, self.max_pass_tokens, self.min_copy_rows, \
+                    self._rate = saved
+                for slot in self._slots:
+                    for g in slot.grown():
+                        g.floor = floor0
+                        g.release()
 
     def reset_after_trial(self) -> None:
         """Forget the self-test's slot source and counters (the first real batch uploads the
         real table)."""
         self._mirror.invalidate()
         self.batches = self.device_batches = 0
-        self.split_batches = self.oom_retries = self.trims = 0
+        self.split_batches = self.oom_retries = self.trims = self.overflows = self.ring_waits = 0
+        self.in_place_passes = 0
         self._mirror.full_uploads = self._mirror.patches = self._mirror.patched_slots = 0
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out.update(kernels=self.kernels, device=self.device_name, device_batches=self.device_batches,
-                   trims=self.trims, **self.memory_stats())
+                   trims=self.trims, overflows=self.overflows, ring_waits=self.ring_waits,
+                   in_place_passes=self.in_place_passes, **self.memory_stats())
         return out
 
 

@@ -13,6 +13,14 @@ Contract (every engine, bit for bit; one conformance suite checks it):
   generation); a device engine mirrors ``slots.table`` through ``slots.changes_since``. ``probe`` may run concurrently with writers of ``slots``.
 - Bad input raises ``ValueError`` identically on every engine; a device failure at run time
   raises :class:`EngineFailure` (``select.FailoverEngine`` then moves to the CPU engine).
+- Pipelining (optional; :func:`probe_async` and :func:`probe_many` work on every engine):
+  ``engine.probe_async(batch, slots)`` submits a batch and returns a :class:`ProbeHandle`
+  whose ``result()`` is, bit for bit, what ``probe`` returns. A device engine returns before
+  the device finishes, so the caller can prepare and submit the next batch meanwhile; an
+  engine without a device pipeline answers at submit (:class:`ReadyProbe`). ``ValueError``
+  comes from the submit; :class:`EngineFailure` from the submit or from ``result()``.
+  ``engine.pipelined`` says whether submitting early overlaps anything (callers that gain
+  nothing from it, such as the service on a CPU engine, keep the plain ``probe`` path).
 
 This module defines the contract only; engines are built by ``gpu/select.py``. It imports no
 engine, so engines can import it without a cycle.
@@ -21,7 +29,7 @@ engine, so engines can import it without a cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Iterable, Iterator, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -38,6 +46,11 @@ __all__ = [
     "SlotSource",
     "SlotChanges",
     "ENGINE_NAMES",
+    "ProbeHandle",
+    "ReadyProbe",
+    "is_pipelined",
+    "probe_async",
+    "probe_many",
 ]
 
 EngineName = Literal["auto", "gpu", "cpu", "reference"]
@@ -118,3 +131,49 @@ class Engine(Protocol):
     def probe(self, batch: QueryBatch, slots: SlotSource) -> Candidates: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ProbeHandle(Protocol):
+    """A batch submitted with ``probe_async``: ``result()`` waits for and returns its
+    candidates (the same object on every call)."""
+
+    def result(self) -> Candidates: ...
+
+
+@dataclass(frozen=True)
+class ReadyProbe:
+    """A handle answered at submit (engines without a device pipeline)."""
+
+    candidates: Candidates
+
+    def result(self) -> Candidates:
+        return self.candidates
+
+
+def probe_async(engine: Any, batch: QueryBatch, slots: SlotSource) -> ProbeHandle:
+    """``engine.probe_async(batch, slots)``, or the batch answered now by ``engine.probe``
+    for an engine without one (any :class:`Engine` works)."""
+    submit = getattr(engine, "probe_async", None)
+    if submit is None:
+        return ReadyProbe(engine.probe(batch, slots))
+    return submit(batch, slots)
+
+
+def is_pipelined(engine: Any) -> bool:
+    """Whether ``engine``'s ``probe_async`` overlaps batches (a device pipeline)."""
+    return bool(getattr(engine, "pipelined", False))
+
+
+def probe_many(engine: Any, batches: Iterable[QueryBatch], slots: SlotSource, depth: int = 2) -> Iterator[Candidates]:
+    """Candidates of each batch, in order, with up to ``depth`` batches submitted ahead: batch
+    N+1 is submitted (its upload starts) before batch N's candidates are waited for."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    pending: list[ProbeHandle] = []
+    for batch in batches:
+        pending.append(probe_async(engine, batch, slots))
+        if len(pending) > depth:
+            yield pending.pop(0).result()
+    for handle in pending:
+        yield handle.result()

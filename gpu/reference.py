@@ -12,7 +12,7 @@ import numpy as np
 from .fingerprint import TAG_SHARED, base_powers, slots_and_tags
 
 from .batch import Candidates, QueryBatch
-from .engine import SlotSource
+from .engine import ReadyProbe, SlotSource
 
 __all__ = ["ReferenceEngine"]
 
@@ -50,6 +50,13 @@ class ReferenceEngine:
         if not qi_out:
             return Candidates.empty(windows)
         return Candidates(np.concatenate(qi_out), np.concatenate(st_out), np.concatenate(fp_out), windows)
+
+    #: no device pipeline: :meth:`probe_async` answers at submit
+    pipelined = False
+
+    def probe_async(self, batch: QueryBatch, slots: SlotSource) -> ReadyProbe:
+        """The pipelined API (``gpu/engine.py``) on the host: the batch is answered now."""
+        return ReadyProbe(self.probe(batch, slots))
 
     def close(self) -> None:
         pass

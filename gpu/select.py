@@ -44,7 +44,10 @@ from .engine import (
     EngineFailure,
     EngineOutOfMemory,
     EngineUnavailable,
+    ProbeHandle,
     SlotSource,
+    is_pipelined,
+    probe_async,
 )
 from .xp_probe import TrialSlots, XpEngine
 
@@ -272,6 +275,47 @@ class FailoverEngine:
             self._fail_over(engine, exc)  # idempotent: a batch in flight on the old engine lands here too
         return self._active.probe(batch, slots)
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the active engine overlaps batches (``gpu/engine.py``, pipelining)."""
+        return is_pipelined(self._active)
+
+    def lend_tokens(self, num_queries: int, num_tokens: int) -> np.ndarray | None:
+        """The active engine's pinned staging area for the next batch's tokens, or None."""
+        lend = getattr(self._active, "lend_tokens", None)
+        return None if lend is None else lend(num_queries, num_tokens)
+
+    def probe_async(self, batch: QueryBatch, slots: SlotSource) -> "_FailoverProbe":
+        """:meth:`probe`, pipelined: the failover rules apply to the submit and to
+        ``result()`` alike, so a batch in flight when the device fails is answered on the CPU."""
+        engine = self._active
+        try:
+            return _FailoverProbe(self, engine, batch, slots, probe_async(engine, batch, slots))
+        except EngineOutOfMemory as exc:
+            if engine is self._fallback:
+                raise
+            return _FailoverProbe(self, engine, batch, slots, None, self._probe_spare(engine, exc, batch, slots))
+        except EngineFailure as exc:
+            if engine is self._fallback:
+                raise
+            self._fail_over(engine, exc)
+        return _FailoverProbe(self, self._active, batch, slots, None, self._active.probe(batch, slots))
+
+    def _settle(self, probe: "_FailoverProbe") -> Candidates:
+        """``probe``'s candidates, with the failover rules of :meth:`probe`."""
+        engine = probe.engine
+        try:
+            return probe.handle.result()
+        except EngineOutOfMemory as exc:
+            if engine is self._fallback:
+                raise
+            return self._probe_spare(engine, exc, probe.batch, probe.slots)
+        except EngineFailure as exc:
+            if engine is self._fallback:
+                raise
+            self._fail_over(engine, exc)
+        return self._active.probe(probe.batch, probe.slots)
+
     def _probe_spare(self, engine: Engine, exc: EngineOutOfMemory, batch: QueryBatch,
                      slots: SlotSource) -> Candidates:
         from .cpu import CpuEngine
@@ -312,3 +356,18 @@ class FailoverEngine:
         self._active.close()
         if self._spare is not None and self._spare is not self._active:
             self._spare.close()
+
+
+class _FailoverProbe:
+    """A batch submitted through :meth:`FailoverEngine.probe_async`."""
+
+    def __init__(self, owner: FailoverEngine, engine: Engine, batch: QueryBatch, slots: SlotSource,
+                 handle: ProbeHandle | None, ready: Candidates | None = None) -> None:
+        self.owner, self.engine, self.batch, self.slots, self.handle = owner, engine, batch, slots, handle
+        self._result = ready
+
+    def result(self) -> Candidates:
+        if self._result is None:
+            self._result = self.owner._settle(self)
+            self.handle = None
+        return self._result

@@ -55,7 +55,7 @@ from .fingerprint import TAG_SHARED, power_tables, prefix_fingerprints, slots_an
 from .occupancy import occupancy_words
 
 from .batch import Candidates, QueryBatch
-from .engine import EngineError, EngineFailure, EngineOutOfMemory, SlotChanges, SlotSource
+from .engine import EngineError, EngineFailure, EngineOutOfMemory, ProbeHandle, ReadyProbe, SlotChanges, SlotSource
 
 log = logging.getLogger(__name__)
 
@@ -292,19 +292,26 @@ def staging_layout(num_queries: int, num_tokens: int) -> tuple[int, int, int]:
     return qstart_at, tokens_at, tokens_at + 4 * num_tokens
 
 
-def stage_upload(host: np.ndarray, plan: WindowPlan, tokens: np.ndarray,
-                 copy: Callable[[int, int], None], piece: int = STAGING_PIECE) -> int:
+def stage_upload(host: np.ndarray, plan: WindowPlan, tokens: np.ndarray | None,
+                 copy: Callable[[int, int], None], piece: int = STAGING_PIECE,
+                 num_tokens: int | None = None) -> int:
     """Fill the host staging buffer ``host`` (uint8) and hand it to ``copy(offset, nbytes)``
     piece by piece (the GPU engine's ``copy`` starts an asynchronous host-to-device copy).
 
-    Returns the number of bytes staged. ``tokens`` must be C-contiguous uint32.
+    Returns the number of bytes staged. ``tokens`` must be C-contiguous uint32, or None when
+    the ``num_tokens`` tokens are already in place in ``host`` (decoded straight into it):
+    then only the plan is written and the whole buffer goes in one copy.
     """
     nq = plan.num_queries
-    qstart_at, tokens_at, total = staging_layout(nq, int(tokens.shape[0]))
+    n = int(tokens.shape[0]) if tokens is not None else int(num_tokens or 0)
+    qstart_at, tokens_at, total = staging_layout(nq, n)
     if host.dtype != np.uint8 or host.shape[0] < total:
         raise ValueError(f"staging buffer too small: need {total} bytes, got {host.shape[0]}")
     host[:qstart_at].view(np.int64)[:] = plan.wbase
     host[qstart_at:tokens_at].view(np.int64)[:] = plan.qstart
+    if tokens is None:
+        copy(0, total)
+        return total
     copy(0, tokens_at)
     src = tokens.view(np.uint8)
     for a in range(0, int(src.shape[0]), piece):
@@ -536,6 +543,96 @@ class MirroredEngine:
             timings["total_s"] = time.perf_counter() - t0
             return rows_to_candidates(rows, plan.windows, timings)
 
+    #: Whether :meth:`probe_async` overlaps batches on a device (``CupyEngine``'s fused
+    #: kernels); here a handle is answered at submit.
+    pipelined = False
+
+    def probe_async(self, batch: QueryBatch, slots: SlotSource) -> "ProbeHandle":
+        """Submit ``batch`` and return a handle whose ``result()`` gives what :meth:`probe`
+        gives, bit for bit. Bad input raises ``ValueError`` here; a run-time failure raises
+        :class:`EngineFailure` here or from ``result()``. An engine whose :meth:`_submit`
+        does the work (the default) answers the batch here."""
+        check_table(slots.table)
+        plan = plan_windows(batch)
+        with self._lock:
+            if self._closed:
+                raise EngineFailure(f"the {self.name} engine is closed")
+            if plan.windows == 0:
+                return ReadyProbe(Candidates.empty(0))
+            t0 = time.perf_counter()
+            error: BaseException | None = None
+            try:
+                if batch.num_tokens <= self.max_pass_tokens:
+                    jobs = [(self._submit(batch, plan, slots), None, None)]
+                else:
+                    self.split_batches += 1
+                    jobs = [(self._submit(piece, p_plan, slots), query, offset)
+                            for piece, query, offset in split_batch(batch, self.max_pass_tokens)
+                            for p_plan in (plan_windows(piece),) if p_plan.windows]
+            except Exception as exc:  # noqa: BLE001 - sorted by _handle_async_error
+                error = exc
+            if error is not None:  # outside the except block: the failed submit's frames can go
+                return ReadyProbe(self._handle_async_error(error, batch, plan, slots, t0))
+        return _MirroredProbe(self, batch, plan, slots, jobs, t0)
+
+    def _finish_async(self, probe: "_MirroredProbe") -> Candidates:
+        """Collect ``probe``'s passes (lock held) into its candidates."""
+        try:
+            if len(probe.jobs) == 1 and probe.jobs[0][1] is None:
+                rows, timings = self._collect(probe.jobs[0][0])
+            else:
+                parts, timings = [], {}
+                for job, query, offset in probe.jobs:
+                    r, t = self._collect(job)
+                    parts.append(_map_rows(r, query, offset))
+                    for k, v in t.items():
+                        timings[k] = timings.get(k, 0.0) + v
+                rows = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
+            timings = dict(timings)
+        except Exception as exc:  # noqa: BLE001 - sorted by _handle_async_error
+            error: BaseException | None = exc
+        else:
+            error = None
+        if error is not None:  # outside the except block: the failed collect's frames can go
+            probe.jobs = []
+            return self._handle_async_error(error, probe.batch, probe.plan, probe.slots, probe.t0)
+        self._after_collect()
+        self.batches += 1
+        timings["total_s"] = time.perf_counter() - probe.t0
+        return rows_to_candidates(rows, probe.plan.windows, timings)
+
+    def _handle_async_error(self, exc: BaseException, batch: QueryBatch, plan: WindowPlan, slots: SlotSource,
+                            t0: float) -> Candidates:
+        """A pipelined batch that failed (lock held): memory pressure -> the batch again,
+        synchronously, with :meth:`probe`'s retries; anything else -> :class:`EngineFailure`."""
+        if self._closed or isinstance(exc, EngineError) or not self._is_out_of_memory(exc):
+            self.failures += 1
+            self._after_failure()
+            if isinstance(exc, EngineError):
+                raise exc
+            raise EngineFailure(f"the {self.name} engine failed at run time: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        # memory pressure: the failed attempt's device arrays must not stay alive through the
+        # retries (its traceback holds the frames that allocated them)
+        exc.__traceback__ = None
+        self._abandon()
+        try:
+            rows, timings = self._run_adaptive(batch, plan, slots)
+        except Exception as exc2:  # noqa: BLE001 - every run-time error becomes EngineFailure
+            self.failures += 1
+            self._after_failure()
+            if isinstance(exc2, EngineError):
+                raise
+            raise EngineFailure(f"the {self.name} engine failed at run time: "
+                                f"{type(exc2).__name__}: {exc2}") from exc2
+        self.batches += 1
+        timings["total_s"] = time.perf_counter() - t0
+        return rows_to_candidates(rows, plan.windows, timings)
+
+    def lend_tokens(self, num_queries: int, num_tokens: int) -> np.ndarray | None:
+        """Pinned memory to decode a batch's tokens into (``CupyEngine``); None here."""
+        return None
+
     def _run_adaptive(self, batch: QueryBatch, plan: WindowPlan,
                       slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
         """:meth:`_run_passes`, retried on memory pressure (see the class docstring)."""
@@ -575,11 +672,7 @@ class MirroredEngine:
             if p_plan.windows == 0:
                 continue
             rows, t = self._run(piece, p_plan, slots)
-            mapped = np.array(rows, dtype=np.uint64, copy=True)  # rows may be a reused pinned buffer
-            local = rows[:, 0].astype(np.int64)
-            mapped[:, 0] = query[local].astype(np.uint64)
-            mapped[:, 1] = (rows[:, 1].astype(np.int64) + offset[local]).astype(np.uint64)
-            parts.append(mapped)
+            parts.append(_map_rows(rows, query, offset))
             for k, v in t.items():
                 timings[k] = timings.get(k, 0.0) + v
         rows = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
@@ -602,6 +695,22 @@ class MirroredEngine:
     def _run(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> tuple[np.ndarray, dict[str, float]]:
         raise NotImplementedError
 
+    def _submit(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource) -> Any:
+        """Start one pass (lock held); :meth:`_collect` gives its ``(rows, timings)``. By
+        default the pass runs here, synchronously."""
+        return self._run(batch, plan, slots)
+
+    def _collect(self, job: Any) -> tuple[np.ndarray, dict[str, float]]:
+        """Wait for a pass :meth:`_submit` started (lock held)."""
+        return job
+
+    def _after_collect(self) -> None:
+        """After a pipelined batch was collected (lock held): trim memory."""
+
+    def _abandon(self) -> None:
+        """Before a pipelined batch is run again synchronously after memory pressure (lock
+        held): let go of what its own passes still hold on the device."""
+
     def _is_out_of_memory(self, exc: BaseException) -> bool:
         """Whether ``exc`` is memory pressure (retry smaller) rather than a failure."""
         return isinstance(exc, MemoryError)
@@ -614,6 +723,33 @@ class MirroredEngine:
 
     def _release(self) -> None:
         pass
+
+
+def _map_rows(rows: np.ndarray, query: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """A pass's rows in the batch's coordinates (``split_batch``'s ``query``/``offset``)."""
+    mapped = np.array(rows, dtype=np.uint64, copy=True)  # rows may be a reused pinned buffer
+    local = rows[:, 0].astype(np.int64)
+    mapped[:, 0] = query[local].astype(np.uint64)
+    mapped[:, 1] = (rows[:, 1].astype(np.int64) + offset[local]).astype(np.uint64)
+    return mapped
+
+
+class _MirroredProbe:
+    """The handle :meth:`MirroredEngine.probe_async` returns: its passes in flight."""
+
+    def __init__(self, engine: MirroredEngine, batch: QueryBatch, plan: WindowPlan, slots: SlotSource,
+                 jobs: list, t0: float) -> None:
+        self.engine, self.batch, self.plan, self.slots, self.jobs, self.t0 = engine, batch, plan, slots, jobs, t0
+        self._result: Candidates | None = None
+
+    def result(self) -> Candidates:
+        """The batch's candidates (waits for the device once; later calls return them again)."""
+        if self._result is None:
+            with self.engine._lock:
+                if self._result is None:
+                    self._result = self.engine._finish_async(self)
+                    self.jobs = []
+        return self._result
 
 
 class XpEngine(MirroredEngine):

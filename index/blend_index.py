@@ -53,6 +53,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from blendmatch.gpu import Candidates, Engine, FailoverEngine, QueryBatch, chunk_fingerprint, chunk_fingerprints, select_engine
+from blendmatch.gpu.engine import ProbeHandle, probe_async
 
 from .namespace_ids import NamespaceIds
 from .slots import FilterMode, RebuiltTable, SlotArray
@@ -376,23 +377,55 @@ class BlendIndex:
             return [], MatchStats()
         return self._match(QueryBatch(tokens, offsets, self.chunk_size, self.probe_stride), list(namespaces))
 
-    def _match(self, batch: QueryBatch, namespaces: list[BlendNamespace]
-               ) -> tuple[list[list[BlendMatch]], MatchStats]:
+    @property
+    def pipelined(self) -> bool:
+        """Whether :meth:`match_flat_async` overlaps batches (the engine is a device pipeline):
+        only then does a caller gain by submitting the next batch before collecting one."""
+        return self._failover.pipelined
+
+    def lend_tokens(self, num_queries: int, num_tokens: int) -> np.ndarray | None:
+        """Where to decode the next batch's tokens so the engine uploads them without a host
+        copy (``CupyEngine.lend_tokens``: its pinned staging area), or None. For
+        ``tokens.decode_query_tokens(..., out=index.lend_tokens)``."""
+        return self._failover.lend_tokens(num_queries, num_tokens)
+
+    def match_flat_async(self, tokens: np.ndarray, offsets: np.ndarray, namespaces: Sequence[BlendNamespace]
+                         ) -> "PendingMatch":
+        """:meth:`match_flat` in two steps: this submits the probe (on a device engine it runs
+        while the caller prepares the next batch); ``result()`` of what it returns waits for
+        it, verifies and returns what :meth:`match_flat` returns. Bad input raises here."""
+        for ns in namespaces:
+            check_namespace(ns)
+        if len(namespaces) != offsets.shape[0] - 1:
+            raise ValueError(f"{len(namespaces)} namespaces for {offsets.shape[0] - 1} queries")
+        batch = QueryBatch(tokens, offsets, self.chunk_size, self.probe_stride)
+        if not namespaces:
+            return PendingMatch(self, batch, [], None)
+        t0 = time.perf_counter()
+        seen = self._slot_writes
+        return PendingMatch(self, batch, list(namespaces), (seen, probe_async(self._failover, batch, self._slots), t0))
+
+    def _match(self, batch: QueryBatch, namespaces: list[BlendNamespace],
+               first: tuple[int, ProbeHandle, float] | None = None) -> tuple[list[list[BlendMatch]], MatchStats]:
         """Probe outside the lock, verify under it: one state of the index, so writes held
         under :attr:`write_lock` together are seen all or none. A probe that raced slot
         writes (``_slot_writes`` changed, or odd: one in progress) may have missed new
-        slots: it runs again (``reprobes``), the last time with the lock held."""
+        slots: it runs again (``reprobes``), the last time with the lock held. ``first``:
+        the first probe already submitted (``(slot writes seen, handle, start)``)."""
         stats = MatchStats(queries=batch.num_queries, tokens=batch.num_tokens)
         results: list[list[BlendMatch]] = [[] for _ in namespaces]
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if first is None else first[2]
         found = None
         for attempt in range(self.PROBE_TRIES + 1):
             last = attempt == self.PROBE_TRIES
             if last:
                 self._lock.acquire()  # writers held off: the probe and verification see one state
             try:
-                seen = self._slot_writes
-                cands = self._probe(batch)
+                if attempt == 0 and first is not None:
+                    seen, cands = first[0], first[1].result()
+                else:
+                    seen = self._slot_writes
+                    cands = self._probe(batch)
                 t1 = time.perf_counter()
                 with self._lock:
                     if last or (seen == self._slot_writes and not seen & 1):
@@ -807,3 +840,17 @@ class BlendIndex:
         stats.occupant_steps = int(steps)
         stats.matches = len(hashes)
         return qidx, cands.cur_st[ci].tolist(), hashes, self._o["offset"][oi].tolist()
+
+
+class PendingMatch:
+    """A batch submitted by :meth:`BlendIndex.match_flat_async`; ``result()`` waits for its
+    probe, verifies it and returns ``(results, stats)`` as :meth:`BlendIndex.match_flat`."""
+
+    def __init__(self, index: BlendIndex, batch: QueryBatch, namespaces: list[BlendNamespace],
+                 first: tuple[int, ProbeHandle, float] | None) -> None:
+        self.index, self.batch, self.namespaces, self._first = index, batch, namespaces, first
+
+    def result(self) -> tuple[list[list[BlendMatch]], MatchStats]:
+        if not self.namespaces:
+            return [], MatchStats()
+        return self.index._match(self.batch, self.namespaces, self._first)

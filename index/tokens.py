@@ -41,7 +41,7 @@ import binascii
 from array import array
 from itertools import accumulate
 from operator import attrgetter
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import pybase64
@@ -220,7 +220,8 @@ def decode_b64_many(values: Sequence[str | bytes | memoryview], field: str = "to
     return [errors[k] if k in errors else flat[lo:hi] for k, (lo, hi) in enumerate(spans)]
 
 
-def decode_query_tokens(sources: Sequence[np.ndarray | str | bytes | memoryview], field: str = "tokens_b64"
+def decode_query_tokens(sources: Sequence[np.ndarray | str | bytes | memoryview], field: str = "tokens_b64",
+                        out: Callable[[int, int], np.ndarray | None] | None = None,
                         ) -> tuple[np.ndarray, np.ndarray, list[TokenDecodeError | None]]:
     """A batch of lookup queries as the index probes them: ``(tokens, offsets, errors)``,
     one flat read-only uint32 buffer holding every query that decoded, back to back, with
@@ -229,8 +230,13 @@ def decode_query_tokens(sources: Sequence[np.ndarray | str | bytes | memoryview]
     ASCII bytes / memoryview as for :func:`decode_b64_many` with ``ascii_bytes``) is decoded
     once; a single query's decoded bytes are the buffer itself, several are copied into one
     buffer, a uint32 array is copied into it; nothing is joined or concatenated first
-    (``docs/architecture.md`` counts the copies)."""
-    flat, spans, errors = _decode_flat(sources, field, True)
+    (``docs/architecture.md`` counts the copies).
+
+    ``out(num_queries, num_tokens)``, when given, lends the buffer to gather into (a writable
+    uint32 array of exactly ``num_tokens``, or None to decline): the GPU engine's pinned
+    staging area (``CupyEngine.lend_tokens``), so decoded tokens are written once, where the
+    device copies them from. ``num_queries`` counts the queries that decoded."""
+    flat, spans, errors = _decode_flat(sources, field, True, out)
     kept = [hi - lo for k, (lo, hi) in enumerate(spans) if k not in errors]
     # accumulate + fromiter: numpy's cumsum of a short list costs more (its list conversion)
     offsets = np.fromiter(accumulate(kept, initial=0), dtype=np.int64, count=len(kept) + 1)
@@ -238,7 +244,8 @@ def decode_query_tokens(sources: Sequence[np.ndarray | str | bytes | memoryview]
     return flat, offsets, [errors.get(k) for k in range(len(sources))]
 
 
-def _decode_flat(values: Sequence[Any], field: str, ascii_bytes: bool
+def _decode_flat(values: Sequence[Any], field: str, ascii_bytes: bool,
+                 out_alloc: Callable[[int, int], np.ndarray | None] | None = None,
                  ) -> tuple[np.ndarray, list[tuple[int, int]], dict[int, TokenDecodeError]]:
     """The one decoder behind :func:`decode_b64_many` and :func:`decode_query_tokens`: every
     value into one read-only uint32 buffer, value ``k`` at ``flat[lo:hi]`` of its span, or an
@@ -289,14 +296,20 @@ def _decode_flat(values: Sequence[Any], field: str, ascii_bytes: bool
         else:
             items.append(raw)
             sizes.append(len(raw))
-    if all(isinstance(item, bytes) or item is None for item in items):  # base64 only: one join
+    lent = None
+    if out_alloc is not None and sum(sizes):
+        lent = out_alloc(len(values) - len(errors), sum(sizes) // 4)
+        if lent is not None and (lent.dtype != np.uint32 or lent.shape != (sum(sizes) // 4,)):
+            raise ValueError(f"the lent token buffer is {lent.dtype} {lent.shape}, "
+                             f"not uint32 ({sum(sizes) // 4},)")
+    if lent is None and all(isinstance(item, bytes) or item is None for item in items):  # base64 only: one join
         decoded = [item for item in items if item is not None]
         flat = np.frombuffer(decoded[0] if len(decoded) == 1 else b"".join(decoded), dtype="<u4")
     else:
         starts = [0] * (len(values) + 1)
         for k, size in enumerate(sizes):
             starts[k + 1] = starts[k] + size
-        out = np.empty(starts[-1], dtype=np.uint8)
+        out = np.empty(starts[-1], dtype=np.uint8) if lent is None else lent.view(np.uint8)
         for k, item in enumerate(items):
             if item is None or not sizes[k]:
                 continue

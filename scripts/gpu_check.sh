@@ -5,16 +5,23 @@
 #                                    (CPython 3.12, manylinux x86_64, plus this project's own wheel),
 #                                    an environment shaped like the device image for --dry-run, and
 #                                    the exact device call to make
-#   scripts/gpu_check.sh             on the GPU machine (offline): install from .whl/, gpu tests,
-#                                    self-test at scale, quick benchmark -> $OUT/summary.json
+#   scripts/gpu_check.sh             on the GPU machine (offline): install from .whl/, trial, the
+#                                    measurements (engine-bench, service-bench, notebook), gpu tests,
+#                                    self-test at scale -> $OUT/summary.json with the targets judged
 #   scripts/gpu_check.sh --dry-run   any CPU machine, offline after --prepare: the same install and
-#                                    plumbing in the image-shaped environment; device steps skipped
+#                                    plumbing in the image-shaped environment; the measuring steps
+#                                    run on the fake device (tests/fake_cupy.py, tiny sizes, figures
+#                                    marked "fake", targets not judged); the other device steps skipped
 #
-# Results (OUT, default ./gpu-results): summary.json {"device", "dry_run", "steps": [{"name",
-# "status": ok|failed|skipped, "seconds"}], "figures": {...}}, gpu_check.log, env.txt,
-# pytest-gpu.xml. Every step is bounded by `timeout`, all of them together by BUDGET_S (450 s:
-# the device command's limit is 600 s, of which the machine gives this run 540).
-# Exit status: 0 when no step failed. Knobs: PYTHON (python3), BUDGET_S, KIT_SITE.
+# Results (OUT, default ./gpu-results): summary.json {"device", "dry_run", "date", "steps": [{"name",
+# "status": ok|failed|skipped, "seconds"}], "figures": {...}, "targets": {...}}, gpu_check.log,
+# env.txt, pytest-gpu.xml; copy summary.json and gpu_check.log to docs/gpu-runs/DATE/ (its README).
+# Every step is bounded by `timeout`, all of them together by BUDGET_S (500 s: the device
+# command's limit is 600 s, and the call below gives it 570).
+# The measuring steps run before the gpu tests and the scale self-test, so a run cut short by
+# the budget still has its figures. Exit status: 0 when no step failed. Knobs: PYTHON (python3),
+# BUDGET_S, KIT_SITE, SKIP_STEPS (step names, space-separated: e.g. "gpu-tests scale-self-test"
+# for a run that only measures).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +36,7 @@ IMAGE_HAS_RE='^(anyio|idna|sniffio|h11|typing_extensions|certifi|httpcore|httpx|
 # the image-shaped environment of --dry-run (kept outside the clone, reused between clones)
 IMAGE_PACKAGES=(numpy numba httpx prometheus-client pytest hypothesis uvloop tqdm packaging)
 IMAGE_ENV="${BLENDMATCH_IMAGE_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/blendmatch/gpu-image-py312}"
-DEVICE_CALL='run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)'
+DEVICE_CALL='run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=570)'
 
 find_py312() {
     local c
@@ -92,18 +99,26 @@ SITE="${KIT_SITE:-$WORK/site}"
 : >"$WORK/steps.tsv"
 exec > >(tee "$RES/gpu_check.log") 2>&1
 TEE_PID=$!
-BUDGET_S="${BUDGET_S:-450}"
+BUDGET_S="${BUDGET_S:-500}"
 START=$SECONDS
 FAILED=0
 
-step() {  # step NAME LIMIT_S DEVICE(0|1) CMD...: bounded, timed, recorded; never stops the script
+step() {  # step NAME LIMIT_S DEVICE(0|1|fake) CMD...: bounded, timed, recorded; never stops the script
     local name="$1" limit="$2" device="$3"; shift 3
     local left=$(( BUDGET_S - (SECONDS - START) ))
     echo
     echo "=== [$name] $(date -u +%H:%M:%S)"
+    if [[ " ${SKIP_STEPS:-} " == *" $name "* ]]; then
+        echo "skipped: in SKIP_STEPS"
+        printf '%s\tskipped\t0\n' "$name" >>"$WORK/steps.tsv"; return 0
+    fi
     if [[ "$device" == 1 && "$DRY" == 1 ]]; then
         echo "skipped: dry run (needs a GPU)"
         printf '%s\tskipped\t0\n' "$name" >>"$WORK/steps.tsv"; return 0
+    fi
+    if [[ "$device" == fake && "$DRY" == 1 ]]; then
+        echo "dry run: on the fake device (tests/fake_cupy.py), tiny sizes"
+        set -- "$@" --fake
     fi
     if (( left < 5 )); then
         echo "failed: no time left in the ${BUDGET_S} s budget"
@@ -145,7 +160,7 @@ imports() {  # the package alone first (gpu, index and bench must not need the s
     PYTHONPATH="$SITE/pkg:$SITE/deps" "$PY" "$REPO/scripts/gpu_kit.py" imports "$WORK"
 }
 
-kit() { PYTHONPATH="$SITE/pkg:$SITE/deps" "$PY" "$REPO/scripts/gpu_kit.py" "$@" "$WORK"; }
+kit() { local s="$1"; shift; PYTHONPATH="$SITE/pkg:$SITE/deps" "$PY" "$REPO/scripts/gpu_kit.py" "$s" "$WORK" "$@"; }
 
 gpu_files() { grep -l -E 'pytest\.mark\.gpu|def test_[A-Za-z0-9_]+\([^)]*\bengine\b' tests/test_gpu*.py tests/test_conformance.py 2>/dev/null | tr '\n' ' '; }
 
@@ -167,11 +182,13 @@ step environment 30 0 environment
 step install 60 0 install
 step imports 60 0 imports
 step collect 60 0 collect
-step service-smoke 60 0 kit service-smoke
+step service-smoke 120 0 kit service-smoke
 step trial 90 1 kit trial
+step engine-bench 120 fake kit engine-bench
+step service-bench 120 fake kit service-bench
+step notebook 90 fake kit notebook
 step gpu-tests 150 1 gpu_tests
 step scale-self-test 120 1 kit scale
-step benchmark 120 1 kit bench
 dry_flag=(); [[ "$DRY" == 1 ]] && dry_flag=(--dry-run)
 PYTHONPATH="$SITE/pkg" "$PY" "$REPO/scripts/gpu_kit.py" summary "$WORK" "$RES" "${dry_flag[@]}" >/dev/null || {
     echo "could not write summary.json"; FAILED=1; }

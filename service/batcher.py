@@ -19,6 +19,13 @@ loop ever doing the engine's work?" Every lookup (single or batch endpoint) beco
    of results than it was given, every future gets :class:`BatchOutputMismatch`. No request
    is ever stranded.
 
+Pipelined (a :class:`BatchPipeline` whose ``active()`` is true: the service on a GPU engine),
+steps 4-5 run in two halves: the worker *starts* a batch (decode into pinned memory, submit
+to the device) and holds it; on its next turn it takes whatever queued meanwhile and, in one
+executor call, starts that batch before it *finishes* the held one (waits for the device,
+verifies, encodes), then resolves the held batch's futures. So the device has batch N+1
+before the host waits on batch N. On a CPU engine ``active()`` is false and nothing changes.
+
 With ``max_batch_wait_s == 0`` (the default) step 2 is skipped: the batch is whatever queued
 while the engine was busy. Under load that forms large batches; when idle it adds nothing.
 
@@ -39,7 +46,7 @@ from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar
 
 from .errors import BatchOutputMismatch, ServiceUnavailable
 
-__all__ = ["MicroBatcher", "BatchRecord", "BatchObserver", "BatcherStats"]
+__all__ = ["MicroBatcher", "BatchPipeline", "BatchRecord", "BatchObserver", "BatcherStats"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +106,32 @@ class _QueuedItem(Generic[P, R]):
     enqueued: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(frozen=True)
+class BatchPipeline(Generic[P, R]):
+    """``run_batch`` in two steps, for an engine that works while the host prepares the next
+    batch (a GPU): ``start(payloads)`` submits a batch and returns at once, ``finish(started)``
+    waits for it and returns the results (one per payload, as ``run_batch``). While
+    ``active()`` says so, the batcher holds one started batch: it starts the next batch
+    (whatever queued meanwhile) *before* finishing the held one, both in one executor call,
+    so the device always has the next batch when it finishes one. When ``active()`` is
+    false (a CPU engine: nothing to overlap) the batcher calls ``run_batch`` as usual."""
+
+    active: Callable[[], bool]
+    start: Callable[[list[P]], Any]
+    finish: Callable[[Any], Sequence[R]]
+
+
+@dataclass(eq=False)
+class _Held(Generic[P, R]):
+    """The pipelined batch started and not yet finished."""
+
+    items: list["_QueuedItem[P, R]"]
+    waits: tuple[float, ...]
+    started: float
+    handle: Any
+    dropped: int
+
+
 class MicroBatcher(Generic[P, R]):
     """Queue requests, run them in token-bounded batches on one executor thread.
 
@@ -125,6 +158,7 @@ class MicroBatcher(Generic[P, R]):
         executor: ThreadPoolExecutor | None = None,
         thread_initializer: Callable[[], None] | None = None,
         name: str = "lookup",
+        pipeline: "BatchPipeline[P, R] | None" = None,
     ) -> None:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
@@ -145,6 +179,8 @@ class MicroBatcher(Generic[P, R]):
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._closed = False
+        self._pipeline = pipeline
+        self._held: _Held[P, R] | None = None  # a pipelined batch started, not yet finished
         self.stats = BatcherStats()
 
     # ------------------------------------------------------------------ lifecycle
@@ -244,12 +280,17 @@ class MicroBatcher(Generic[P, R]):
             if not item.future.done():
                 item.future.set_exception(exc)
         self._inflight = []
+        self._held = None
         self._queue.clear()
         self._queued_cost = 0
 
     async def _work(self, wakeup: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
+        pipeline = self._pipeline
         while True:
+            if pipeline is not None and (self._held is not None or (self._queue and pipeline.active())):
+                await self._pipelined_step(loop, wakeup, pipeline)
+                continue
             if not self._queue:
                 wakeup.clear()
                 await wakeup.wait()
@@ -258,9 +299,7 @@ class MicroBatcher(Generic[P, R]):
                 await self._wait_for_more(wakeup)
             batch, dropped = self._take()
             if not batch:
-                if dropped:
-                    self.stats.dropped += dropped
-                    self._observe(BatchRecord(0, 0, (), 0.0, False, dropped))
+                self._note_dropped(dropped)
                 continue
             self._inflight = batch
             started = time.perf_counter()
@@ -270,38 +309,113 @@ class MicroBatcher(Generic[P, R]):
             results: Sequence[R] = ()
             try:
                 results = await loop.run_in_executor(self._executor, self._run_batch, payloads)
-                if len(results) != len(batch):
-                    raise BatchOutputMismatch(
-                        f"{self.name} batch returned {len(results)} results for {len(batch)} requests")
             except asyncio.CancelledError:
                 raise  # stop(): it fails the in-flight futures
             except Exception as exc:  # noqa: BLE001 - delivered to every waiting future
                 error = exc
-                log.exception("%s batch of %d requests failed", self.name, len(batch))
-            run_s = time.perf_counter() - started
             self._inflight = []
-            if error is None:
-                for item, res in zip(batch, results, strict=True):
-                    if item.future.done():
-                        continue
-                    if isinstance(res, BaseException):
-                        item.future.set_exception(res)
-                    else:
-                        item.future.set_result(res)
+            self._settle(batch, waits, started, results, error, dropped)
+
+    async def _pipelined_step(self, loop: asyncio.AbstractEventLoop, wakeup: asyncio.Event,
+                              pipeline: "BatchPipeline[P, R]") -> None:
+        """One turn of the pipelined loop (see :class:`BatchPipeline`): with no batch held,
+        take one and start it; with one held, take the next (whatever queued meanwhile: the
+        device is busy, so no ``max_batch_wait_s`` wait) and, in one executor call, start it
+        and then finish the held one."""
+        held = self._held
+        if held is None:
+            if not self._queue:
+                wakeup.clear()
+                await wakeup.wait()
+                return
+            if self.max_batch_wait_s > 0:
+                await self._wait_for_more(wakeup)
+            batch, dropped = self._take()
+            if not batch:
+                self._note_dropped(dropped)
+                return
+            self._inflight = batch
+            started = time.perf_counter()
+            waits = tuple(started - item.enqueued for item in batch)
+            try:
+                handle = await loop.run_in_executor(self._executor, pipeline.start, [i.payload for i in batch])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - delivered to every waiting future
+                self._inflight = []
+                self._settle(batch, waits, started, (), exc, dropped)
+                return
+            self._held = _Held(batch, waits, started, handle, dropped)
+            return
+        nxt, dropped = self._take() if self._queue else ([], 0)
+        if not nxt:
+            self._note_dropped(dropped)
+        self._inflight = held.items + nxt
+        started = time.perf_counter()
+        payloads = [item.payload for item in nxt]
+
+        def step() -> tuple[Any, BaseException | None, Sequence[R], BaseException | None]:
+            handle = start_error = None
+            if payloads:
+                try:
+                    handle = pipeline.start(payloads)  # batch N+1 is on its way before N is collected
+                except Exception as exc:  # noqa: BLE001 - that batch's error
+                    start_error = exc
+            try:
+                return handle, start_error, pipeline.finish(held.handle), None
+            except Exception as exc:  # noqa: BLE001 - the held batch's error
+                return handle, start_error, (), exc
+
+        try:
+            handle, start_error, results, error = await loop.run_in_executor(self._executor, step)
+        except asyncio.CancelledError:
+            raise
+        self._held = None
+        self._inflight = nxt
+        self._settle(held.items, held.waits, held.started, results, error, held.dropped)
+        if nxt:
+            waits = tuple(started - item.enqueued for item in nxt)
+            if start_error is not None:
+                self._inflight = []
+                self._settle(nxt, waits, started, (), start_error, dropped)
             else:
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(error)
-            tokens = sum(item.cost for item in batch)
-            st = self.stats
-            st.batches += 1
-            st.queries += len(batch)
-            st.tokens += tokens
-            st.busy_s += run_s
-            st.dropped += dropped
-            st.failed_batches += error is not None
-            st.max_batch_queries = max(st.max_batch_queries, len(batch))
-            self._observe(BatchRecord(len(batch), tokens, waits, run_s, error is not None, dropped))
+                self._held = _Held(nxt, waits, started, handle, dropped)
+
+    def _note_dropped(self, dropped: int) -> None:
+        if dropped:
+            self.stats.dropped += dropped
+            self._observe(BatchRecord(0, 0, (), 0.0, False, dropped))
+
+    def _settle(self, batch: list[_QueuedItem[P, R]], waits: tuple[float, ...], started: float,
+                results: Sequence[R], error: BaseException | None, dropped: int) -> None:
+        """Resolve each future of ``batch`` with its result (or the batch's error), count it."""
+        if error is None and len(results) != len(batch):
+            error = BatchOutputMismatch(f"{self.name} batch returned {len(results)} results for {len(batch)} requests")
+        if error is not None:
+            log.error("%s batch of %d requests failed", self.name, len(batch), exc_info=error)
+        run_s = time.perf_counter() - started
+        if error is None:
+            for item, res in zip(batch, results, strict=True):
+                if item.future.done():
+                    continue
+                if isinstance(res, BaseException):
+                    item.future.set_exception(res)
+                else:
+                    item.future.set_result(res)
+        else:
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(error)
+        tokens = sum(item.cost for item in batch)
+        st = self.stats
+        st.batches += 1
+        st.queries += len(batch)
+        st.tokens += tokens
+        st.busy_s += run_s
+        st.dropped += dropped
+        st.failed_batches += error is not None
+        st.max_batch_queries = max(st.max_batch_queries, len(batch))
+        self._observe(BatchRecord(len(batch), tokens, waits, run_s, error is not None, dropped))
 
     async def _wait_for_more(self, wakeup: asyncio.Event) -> None:
         deadline = self._queue[0].enqueued + self.max_batch_wait_s

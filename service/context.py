@@ -31,8 +31,10 @@ import logging
 import os
 import time
 from binascii import hexlify
+from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Sequence, TypeVar
 
+import numpy as np
 from fastapi import Depends, Request
 
 from blendmatch.index.key_directory import KeyDirectory
@@ -42,7 +44,7 @@ from blendmatch.index.tokens import (TokenDecodeError, TokenLimitExceeded, b64_t
                                      decode_b64_many, decode_query_tokens, is_b64_source)
 from blendmatch.index.types import BlendMatch
 
-from .batcher import MicroBatcher
+from .batcher import BatchPipeline, MicroBatcher
 from .config import ServiceConfig
 from .durability import CheckpointRequired, Durability
 from .errors import LimitExceeded, ServiceUnavailable
@@ -160,6 +162,20 @@ _MATCHES_TEMPLATES: dict[int, bytes] = {}
 _TEMPLATES_KEPT = 64
 
 
+@dataclass(eq=False)
+class _LookupBatch:
+    """A lookup batch between :meth:`ServiceContext._start_lookups` and ``_finish_lookups``:
+    the queries, their answers so far, the decoded tokens, the queries that decoded, and the
+    engine batch in flight (``pending``) or its result (``done``)."""
+
+    queries: list[Any]
+    out: list[bytes | BaseException]
+    flat: tuple[np.ndarray, np.ndarray] | None
+    ready: Sequence[int]
+    pending: Any
+    done: Any
+
+
 class ServiceContext:
     """Everything a route needs; see the module docstring. Start/stop via the app lifespan."""
 
@@ -175,6 +191,7 @@ class ServiceContext:
         self.reuse = ReuseMetrics(self.metrics.registry, self.directory, self.token_hasher)
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
+            pipeline=BatchPipeline(self._lookups_pipelined, self._start_lookups, self._finish_lookups),
             cost=query_tokens,
             max_batch_tokens=config.max_batch_tokens,
             max_batch_wait_s=config.max_batch_wait_s,
@@ -406,10 +423,23 @@ class ServiceContext:
         GIL-free kernel call, run one engine batch over the queries that decoded, and encode
         each answer. A query that does not resolve gets its exception, one that does not
         decode its ``TokenDecodeError``."""
+        return self._finish_lookups(self._start_lookups(queries, pipelined=False))
+
+    def _lookups_pipelined(self) -> bool:
+        """Whether the batcher pipelines lookups: only on a device engine that overlaps
+        batches (``BlendIndex.pipelined``); the CPU engine keeps one call per batch."""
         index = self.directory.blend_index
-        if index is None:  # cannot happen: lookups short-circuit when disabled
-            return [_EMPTY_MATCHES] * len(queries)
+        return index is not None and index.pipelined
+
+    def _start_lookups(self, queries: list[LookupQuery], pipelined: bool = True) -> "_LookupBatch":
+        """The first half of :meth:`_run_lookups` (lookup thread): resolve, decode and submit
+        the engine batch. ``pipelined``: decode into the engine's pinned staging area
+        (``BlendIndex.lend_tokens``) and return while the device works; otherwise the
+        engine batch runs here."""
+        index = self.directory.blend_index
         out: list[bytes | BaseException] = [_EMPTY_MATCHES] * len(queries)
+        if index is None:  # cannot happen: lookups short-circuit when disabled
+            return _LookupBatch(queries, out, None, (), None, None)
         live: Sequence[int] = range(len(queries))
         if any(type(q[0]) is DeferredQuery for q in queries):
             queries, taken = list(queries), []
@@ -422,17 +452,31 @@ class ServiceContext:
                         continue
                 taken.append(i)
             live = taken
-        tokens, offsets, errors = decode_query_tokens([queries[i][0] for i in live])
+        tokens, offsets, errors = decode_query_tokens([queries[i][0] for i in live],
+                                                      out=index.lend_tokens if pipelined else None)
         ready = []
         for i, err in zip(live, errors, strict=True):
             if err is None:
                 ready.append(i)
             else:
                 out[i] = err
-        results, stats = index.match_flat(tokens, offsets, [queries[i][1] for i in ready])
+        namespaces = [queries[i][1] for i in ready]
+        if pipelined:
+            return _LookupBatch(queries, out, (tokens, offsets), ready, index.match_flat_async(tokens, offsets,
+                                                                                                namespaces), None)
+        return _LookupBatch(queries, out, (tokens, offsets), ready, None, index.match_flat(tokens, offsets, namespaces))
+
+    def _finish_lookups(self, batch: "_LookupBatch") -> list[bytes | BaseException]:
+        """The second half of :meth:`_run_lookups` (lookup thread): wait for the engine batch,
+        encode each answer (or run its finisher), observe reuse."""
+        queries, out = batch.queries, batch.out
+        if batch.flat is None:
+            return out
+        tokens, offsets = batch.flat
+        results, stats = batch.done if batch.done is not None else batch.pending.result()
         self.metrics.observe_match(stats)
         observed = []
-        for k, (i, matches) in enumerate(zip(ready, results, strict=True)):
+        for k, (i, matches) in enumerate(zip(batch.ready, results, strict=True)):
             query = queries[i]
             if len(query) == 2 or query[2].lookup:
                 observed.append((query[1], tokens[offsets[k]:offsets[k + 1]], matches))

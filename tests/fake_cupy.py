@@ -11,12 +11,23 @@ plays the device, strictly where the engine could get it wrong:
   checked against the kernel's parameters parsed from the source: device arrays of the
   exact element type for pointers, numpy scalars of the exact type for values (what CuPy
   would marshal by size).
-- **streams**: device work runs at once, in order, but a device-to-host copy
-  (``copy_to_host_async``) lands in host memory only when its stream is synchronised
-  (``Stream.synchronize``, ``Event.synchronize`` of a later event, ``Device.synchronize``,
-  or an implicit synchronisation: ``int()``/``get()`` of a device array). The copied bytes
-  are those of the moment the copy was issued. ``get_elapsed_time`` raises for an event
-  that has not completed. :data:`SYNCS` counts every synchronisation.
+- **streams and events**: asynchronous copies (``copy_from_host_async``,
+  ``copy_to_host_async``) are *deferred*: each is queued on its stream and applied only when
+  that stream is flushed, in stream order, reading its source at that moment (as a DMA
+  engine does). A stream is flushed up to a point by ``Stream.synchronize``,
+  ``Event.synchronize`` of an event recorded after the copy, ``Device.synchronize``, an
+  implicit synchronisation (``int()``/``get()`` of a device array), or by later work on the
+  *same* stream: array operations run at once, on the current stream,
+  after that stream's queue (stream order); kernel launches are queued like copies.
+  ``Stream.wait_event(e)`` queues a wait: flushing
+  past it first flushes ``e``'s stream up to ``e``. Nothing else orders two streams, so a
+  kernel on one stream that reads a buffer whose upload on another stream it did not wait for
+  reads stale bytes, and the host reading a pinned buffer before the event after its copy was
+  waited on reads stale bytes. Fresh device arrays from ``empty`` and fresh pinned buffers are
+  filled with garbage (0xA5 / 0xCD), so stale reads give wrong answers, not lucky zeros.
+  Asynchronous copies must name pinned host memory (``cupyx.empty_pinned``).
+  ``get_elapsed_time`` raises for an event that has not completed. :data:`SYNCS` counts every
+  host synchronisation.
 - **memory**: every device array is allocated from a pool (the default one, or the one a
   ``cuda.using_allocator(pool.malloc)`` block names) that caches freed blocks like CuPy's
   (``total_bytes``, ``used_bytes``, ``free_all_blocks``, ``set_limit``); :data:`DEVICE`
@@ -198,13 +209,13 @@ class MemoryPointer:
         return MemoryPointer(self.ptr + int(offset), self._owner)
 
     def copy_from_host_async(self, mem: ctypes.c_void_p, size: int, stream: Any = None) -> None:
-        _stream_of(stream)
+        owner = _pinned_owner(int(mem.value), int(size))
         DEVICE.h2d.append(int(size))
-        ctypes.memmove(self.ptr, mem.value, int(size))  # device work runs at once, in order
+        _stream_of(stream).enqueue(("copy", self.ptr, int(mem.value), int(size), (self._owner, owner)))
 
     def copy_to_host_async(self, mem: ctypes.c_void_p, size: int, stream: Any = None) -> None:
-        # the bytes as of now, delivered to the host only at synchronisation
-        _stream_of(stream).pending.append((int(mem.value), ctypes.string_at(self.ptr, int(size))))
+        owner = _pinned_owner(int(mem.value), int(size))
+        _stream_of(stream).enqueue(("copy", int(mem.value), self.ptr, int(size), (self._owner, owner)))
 
 
 class DevArray(np.ndarray):
@@ -215,7 +226,7 @@ class DevArray(np.ndarray):
         return MemoryPointer(self.ctypes.data, self)
 
     def set(self, arr: np.ndarray, stream: Any = None) -> None:
-        _stream_of(stream)
+        _stream_of(stream).flush()  # synchronous for pageable memory: after the stream's queue
         if isinstance(arr, DevArray):
             raise TypeError("set() takes a host array")
         np.copyto(self.view(np.ndarray), arr)
@@ -225,6 +236,7 @@ class DevArray(np.ndarray):
         return np.array(self.view(np.ndarray), copy=True)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _in_order()
         plain = tuple(x.view(np.ndarray) if isinstance(x, DevArray) else x for x in inputs)
         if "out" in kwargs:
             kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, DevArray) else o for o in kwargs["out"])
@@ -234,6 +246,7 @@ class DevArray(np.ndarray):
         return _dev(getattr(ufunc, method)(*plain, **kwargs))
 
     def __getitem__(self, key: Any) -> Any:
+        _in_order()
         mine = self.view(np.ndarray)
         res = mine[_plain(key)]
         if isinstance(res, np.ndarray) and np.may_share_memory(res, mine):
@@ -241,12 +254,15 @@ class DevArray(np.ndarray):
         return _dev(res)  # fancy indexing, or a scalar (a 0-d device array, as in CuPy)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        _in_order()
         self.view(np.ndarray)[_plain(key)] = value.view(np.ndarray) if isinstance(value, DevArray) else value
 
     def astype(self, dtype, *args, **kwargs):  # type: ignore[override]
+        _in_order()
         return _dev(self.view(np.ndarray).astype(dtype, *args, **kwargs))
 
     def copy(self, *args, **kwargs):  # type: ignore[override]
+        _in_order()
         return _dev(self.view(np.ndarray).copy(*args, **kwargs))
 
     # implicit synchronisations (CuPy copies the value to the host on the current stream)
@@ -310,12 +326,14 @@ _ALL_STREAMS: weakref.WeakSet = weakref.WeakSet()
 
 
 class Stream:
+    """A queue of deferred copies and waits (see the module docstring)."""
+
     null: "Stream"
 
     def __init__(self, non_blocking: bool = False) -> None:
         self.non_blocking = non_blocking
-        self.pending: list[tuple[int, bytes]] = []
-        self.delivered = 0  # copies delivered so far (events compare against it)
+        self.pending: list[tuple] = []
+        self.delivered = 0  # operations applied so far (events compare against it)
         _ALL_STREAMS.add(self)
 
     def __enter__(self) -> "Stream":
@@ -326,16 +344,32 @@ class Stream:
     def __exit__(self, *exc: Any) -> None:
         _tls.streams.pop()
 
-    def _deliver(self, upto: int | None = None) -> None:
-        n = len(self.pending) if upto is None else max(0, upto - self.delivered)
-        for dst, data in self.pending[:n]:
-            ctypes.memmove(dst, data, len(data))
-        del self.pending[:n]
-        self.delivered += n
+    def enqueue(self, op: tuple) -> None:
+        self.pending.append(op)
+
+    def wait_event(self, event: "Event") -> None:
+        """Later work on this stream runs after ``event`` (as recorded now) completed."""
+        if event._stream is None:
+            return  # CUDA: waiting on a never-recorded event is a no-op
+        self.enqueue(("wait", event._stream, event._mark))
+
+    def flush(self, upto: int | None = None) -> None:
+        """Apply queued operations in order, up to operation number ``upto`` (all by default)."""
+        target = self.enqueued if upto is None else min(upto, self.enqueued)
+        while self.delivered < target:
+            op = self.pending.pop(0)
+            self.delivered += 1
+            if op[0] == "copy":
+                _, dst, src, size, _owners = op
+                ctypes.memmove(dst, src, size)
+            elif op[0] == "call":  # ("call", run, launch arguments kept alive)
+                op[1]()
+            else:  # ("wait", stream, mark)
+                op[1].flush(op[2])
 
     def synchronize(self) -> None:
         SYNCS[0] += 1
-        self._deliver()
+        self.flush()
 
     @property
     def enqueued(self) -> int:
@@ -362,6 +396,11 @@ def _implicit_sync() -> None:
     _current_stream().synchronize()
 
 
+def _in_order() -> None:
+    """Work issued now on the current stream runs after that stream's queued work."""
+    _current_stream().flush()
+
+
 class Event:
     def __init__(self) -> None:
         self.t: float | None = None
@@ -381,7 +420,7 @@ class Event:
         if self._stream is None:
             raise RuntimeError("event never recorded")
         SYNCS[0] += 1
-        self._stream._deliver(self._mark)
+        self._stream.flush(self._mark)
 
 
 def get_elapsed_time(a: Event, b: Event) -> float:
@@ -409,7 +448,7 @@ class Device:
     def synchronize(self) -> None:
         SYNCS[0] += 1
         for s in list(_ALL_STREAMS):
-            s._deliver()
+            s.flush()
 
 
 
@@ -456,8 +495,16 @@ class _Kernel:
             self._module.fail_next = False
             raise RuntimeError("cudaErrorLaunchFailure: simulated lost device")
         order = cuda_host.shuffled_threads(grid[0], block[0], _RNG)
-        self._fn(order.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(order.size),
-                 ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *cargs)
+        fn = self._fn
+
+        def run() -> None:
+            fn(order.ctypes.data_as(ctypes.c_void_p), ctypes.c_longlong(order.size),
+               ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *cargs)
+
+        # a launch is queued on the current stream like a copy: it runs when that stream is
+        # flushed (by later work on it, a wait ordered after it, or a synchronisation), so a
+        # copy on another stream not ordered after it reads the kernel's output buffer stale
+        _current_stream().enqueue(("call", run, args))
 
 
 _RNG = np.random.default_rng(2718)
@@ -511,8 +558,12 @@ def _make_cupy() -> types.ModuleType:
 
     def wrap(fn):
         def inner(*args, **kwargs):
+            _in_order()
             args = tuple(a.view(np.ndarray) if isinstance(a, DevArray) else a for a in args)
-            return _dev(fn(*args, **kwargs))
+            res = fn(*args, **kwargs)
+            if fn is np.empty:
+                res.view(np.uint8).reshape(-1)[:] = 0xA5  # fresh device memory holds garbage
+            return _dev(res)
         inner.__name__ = fn.__name__
         return inner
 
@@ -521,6 +572,7 @@ def _make_cupy() -> types.ModuleType:
         setattr(cp, name, wrap(getattr(np, name)))
 
     def cumsum(a, axis=None, dtype=None, out=None):
+        _in_order()
         a = a.view(np.ndarray) if isinstance(a, DevArray) else a
         res = np.cumsum(a, axis=axis, dtype=dtype)
         if res.size > DEVICE.scan_int_max:  # CuPy: the length cast to int; past it, garbage
@@ -531,11 +583,13 @@ def _make_cupy() -> types.ModuleType:
         return _dev(res)
 
     def asarray(a, dtype=None):
+        _in_order()
         if isinstance(a, DevArray) and (dtype is None or a.dtype == dtype):
             return a
         return _dev(np.array(a.view(np.ndarray) if isinstance(a, DevArray) else a, dtype=dtype, copy=True))
 
     def array(a, dtype=None, copy=True):
+        _in_order()
         return _dev(np.array(a.view(np.ndarray) if isinstance(a, DevArray) else a, dtype=dtype, copy=True))
 
     cp.cumsum, cp.asarray, cp.array, cp.asnumpy = cumsum, asarray, array, asnumpy
@@ -554,8 +608,25 @@ def _make_cupy() -> types.ModuleType:
     return cp
 
 
+#: live pinned buffers (weak): asynchronous copies must name memory inside one of them
+_PINNED: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
+
+
 def _empty_pinned(shape, dtype=float):
-    return np.empty(shape, dtype=dtype)
+    arr = np.empty(shape, dtype=dtype)
+    arr.view(np.uint8).reshape(-1)[:] = 0xCD  # fresh host memory holds garbage
+    _PINNED[arr.ctypes.data] = arr
+    return arr
+
+
+def _pinned_owner(addr: int, size: int) -> np.ndarray:
+    """The pinned buffer holding ``[addr, addr + size)`` (kept alive by the queued copy), or
+    TypeError: CUDA's asynchronous copies from pageable memory are not asynchronous."""
+    for base, arr in list(_PINNED.items()):
+        if base <= addr and addr + size <= base + arr.nbytes:
+            return arr
+    raise TypeError(f"asynchronous copy of {size} bytes at {addr:#x}: not inside a pinned buffer "
+                    "(cupyx.empty_pinned)")
 
 
 #: The stand-ins: ``cupy`` and ``cupyx`` (pinned host arrays are plain numpy arrays).

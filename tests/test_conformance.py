@@ -8,6 +8,7 @@ import pytest
 
 from blendmatch.gpu.batch import Candidates, QueryBatch
 from blendmatch.gpu.cpu import CHAINS, LANE
+from blendmatch.gpu.engine import probe_many
 from blendmatch.gpu.reference import ReferenceEngine
 from blendmatch.index import BlendIndex, BlendMatch, BlendNamespace
 from blendmatch.gpu.fingerprint import chunk_fingerprints
@@ -31,6 +32,9 @@ def _check(engine, batch: QueryBatch, slots: SlotArray) -> Candidates:
     assert got.same_as(want), f"{engine.name} differs from the reference"
     assert got.windows == want.windows == batch.num_windows()
     assert got.query_index.dtype == np.int64 and got.cur_st.dtype == np.int64 and got.fingerprint.dtype == np.uint64
+    # the pipelined path (gpu/engine.py): three copies in flight two deep, each bit-identical
+    for piped in probe_many(engine, [batch, batch, batch], slots, depth=2):
+        assert piped.same_as(want) and piped.windows == want.windows, f"{engine.name} pipelined differs"
     return got
 
 

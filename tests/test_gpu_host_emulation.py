@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
     bm_u64* out = new bm_u64[3 * n];  /* sized by the survivors, as the engine sizes it */
     std::shuffle(order.begin(), order.end(), rng);
     bm_emu_launch_bm_scatter_kernel(order.data(), (long long)order.size(), grid, block,
-                                    H, pos, flag, wbase, qstart, nq, W, stride, out);
+                                    H, pos, flag, wbase, qstart, nq, W, stride, n, out);
     save(d + "/flag.bin", flag, (size_t)W);
     save(d + "/rows.bin", out, (size_t)(3 * n) * sizeof(bm_u64));
     delete[] out; delete[] pos; delete[] flag; delete[] table; delete[] qstart; delete[] wbase;
