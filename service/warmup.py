@@ -1,0 +1,214 @@
+"""Compile every JIT kernel the service runs before it says ready (and ``blendmatch warmup``).
+
+Question answered: "will the first STORE or lookup after ``/readyz`` says ready pay a
+numba compilation?" It must not: a cold compile of the STORE parser alone took 13-22 s,
+and LMCache's HTTP event sink gives up after 2 s and logs the batches as lost.
+
+How: rather than a hand-kept list of kernels and signatures (which drifts as kernels are
+added, and misses a specialization such as a read-only array), :func:`compile_everything`
+drives a private scratch service through the real code paths once, with small realistic
+requests, in-process over ASGI: a STORE of one 256-token LMCache entry (the body LMCache
+sends: the split parser of ``index/_jsonentries.py``), a body that parser gives up on (the
+``token_ids`` split of ``index/_jsontok.py``), a body large enough to be split on the
+prepare thread, a DELETE, then blend lookups in both token forms, singly and batched,
+``/directory/lookup`` in both forms and ``/route/score``. The scratch service has its own
+directory on the same engine object, chunk size, stride and filter as the real one, so
+the real index, its metrics and its checkpoint see nothing; the real index then runs its
+own :meth:`BlendIndex.warm_up` on its lookup thread (page-in). Where the active engine is
+not the CPU engine, the CPU engine (the documented failover) is compiled too; so is the
+vLLM KV-events encoder (``--kv-events-endpoint``).
+
+``tests/test_warmup.py`` holds this to its promise: after a warm-up, every numba
+dispatcher in the package's modules has a compiled signature.
+
+Numba loads what an earlier run compiled from the compile cache (``blendmatch.compile_cache``),
+so a warm start costs about a second here and a cold one tens of seconds. The service
+runs this in the background after the port opened: ``/readyz`` answers 503
+``compiling``, and lookups and event posts 503 with ``Retry-After`` (``context.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from blendmatch.compile_cache import current as compile_cache
+
+from .config import ServiceConfig
+
+__all__ = ["WarmupReport", "compile_everything", "store_body", "WarmupFailed"]
+
+log = logging.getLogger("blendmatch.service.warmup")
+
+Progress = Callable[[str], None]
+
+_MODEL = "blendmatch/warm-up"
+_INSTANCE = "blendmatch-warm-up"
+#: Entries of the big body: over ``PREPARE_MIN_BYTES`` (split on the prepare thread) and
+#: over 3/4 of the fingerprint map's first 1,024 slots (its growth, ``index/storage.py``).
+_BIG_ENTRIES = 800
+
+
+class WarmupFailed(RuntimeError):
+    """A warm-up request got an answer other than the one expected (a bug: the same request
+    would fail for a client)."""
+
+
+@dataclass
+class WarmupReport:
+    """What :func:`compile_everything` did: ``seconds`` in all, per step, and the cache."""
+
+    seconds: float = 0.0
+    steps: list[tuple[str, float]] = field(default_factory=list)
+    cache: str = ""
+
+
+def _key(i: int, world_size: int = 1) -> dict[str, Any]:
+    return {"chunk_hash_hex": f"{i:064x}", "model_name": _MODEL, "kv_rank": world_size << 24,
+            "object_group_id": 0, "cache_salt": ""}
+
+
+def store_body(tokens: np.ndarray, *, seq: int = 1, first_hash: int = 1, chunk_size: int = 256,
+               instance_id: str = _INSTANCE, model_name: str = _MODEL, event_type: str = "store") -> bytes:
+    """An LMCache 0.5.6 ``POST /events`` body (what ``HttpCacheEventSink`` posts): one batch
+    of one ``store`` (or ``delete``) event whose entries are the ``chunk_size``-token chunks
+    of ``tokens``, each keyed by its own hash (world size 1) at its offset."""
+    rows = np.asarray(tokens, dtype=np.uint32).reshape(-1, chunk_size)
+    entries = []
+    for i, row in enumerate(rows):
+        key = {**_key(first_hash + i), "model_name": model_name}
+        entries.append({"key": key, "size_bytes": 2 << 20, "token_ids": row.tolist(),
+                        "token_offset": i * chunk_size})
+    batch = {"instance_id": instance_id, "incarnation": 1, "seq": seq, "event_type": event_type, "tier": "l1",
+             "backend": "dram", "entries": entries, "shared": False, "ts": 1767225600.0, "capacity_bytes": 0,
+             "capacity_revision": 0}
+    return json.dumps({"batches": [batch]}, separators=(",", ":")).encode()
+
+
+def _scratch_config(config: ServiceConfig) -> ServiceConfig:
+    """The real settings minus everything that reaches outside the process or its state."""
+    return config.model_copy(update={
+        "checkpoint_path": "", "require_checkpoint": False, "event_transport": "http", "kv_events_endpoint": "",
+        "upstream_coordinator": "", "refuse_lookups_until_ready": False, "access_file": None,
+        "health_check_interval": 0.0, "enable_blend_lookup": True})
+
+
+def _scratch_directory(config: ServiceConfig, engine: Any, filter_mode: Optional[str]) -> Any:
+    from blendmatch.index.key_directory import KeyDirectory
+
+    directory = KeyDirectory()
+    kwargs = {} if filter_mode is None else {"filter": filter_mode}
+    directory.enable_blend_lookup(chunk_size=config.chunk_size, probe_stride=config.blend_probe_stride,
+                                  engine=config.engine if engine is None else engine, **kwargs)
+    return directory
+
+
+async def _post(client: Any, path: str, expect: Callable[[Any], bool], **kwargs: Any) -> Any:
+    resp = await client.post(path, **kwargs)
+    body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
+    if resp.status_code != 200 or not expect(body):
+        raise WarmupFailed(f"warm-up: POST {path} answered {resp.status_code}: {str(body)[:300]}")
+    return body
+
+
+def _found(body: Any) -> bool:
+    return bool(body.get("matches"))
+
+
+async def _drive(config: ServiceConfig, engine: Any, filter_mode: Optional[str], step: Callable[[str], None]) -> None:
+    """The scratch service through every path that compiles something (module docstring)."""
+    import httpx
+
+    from .access import AccessPolicy
+    from .app import create_app
+
+    scratch = _scratch_config(config)
+    c = scratch.chunk_size
+    app = create_app(scratch, directory=_scratch_directory(scratch, engine, filter_mode),
+                     access=AccessPolicy.protected_mode())
+    rng = np.random.default_rng(45)
+    tokens = rng.integers(0, 150_000, size=4 * c, dtype=np.uint32)
+    ns = {"model_name": _MODEL, "world_size": 1, "cache_salt": ""}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 45045))
+        async with httpx.AsyncClient(transport=transport, base_url="http://warm-up", timeout=None) as client:
+            step("starting the scratch service")
+            # registered, so that the placements paths below have a live holder to rank
+            await _post(client, "/instances", lambda b: isinstance(b, dict),
+                        json={"instance_id": _INSTANCE, "ip": "127.0.0.1", "http_port": 1})
+            applied = lambda body: body.get("applied") == 1  # noqa: E731 - one expectation per call
+            # 1. the STORE LMCache sends: one 256-token entry (the entries split parser)
+            await _post(client, "/events", applied, content=store_body(tokens[:c], seq=1, chunk_size=c),
+                        headers={"content-type": "application/json"})
+            # 2. a body the entries split gives up on (an escaped character): the token_ids split
+            escaped = store_body(tokens[c:2 * c], seq=2, first_hash=2, chunk_size=c).replace(
+                b'"backend":"dram"', b'"backend":"dr\\u0061m"')
+            await _post(client, "/events", applied, content=escaped, headers={"content-type": "application/json"})
+            # 3. a body split on the prepare thread, growing the index's tables
+            big = np.concatenate([tokens[2 * c:4 * c], rng.integers(0, 150_000, size=(_BIG_ENTRIES - 2) * c,
+                                                                      dtype=np.uint32)])
+            await _post(client, "/events", applied, content=store_body(big, seq=3, first_hash=3, chunk_size=c),
+                        headers={"content-type": "application/json"})
+            step("STORE parsing and indexing")
+            # 4. lookups, both token forms, one and batched, with and without placements
+            query = tokens[: 3 * c]
+            ids = {**ns, "token_ids": query.tolist()}
+            b64 = {**ns, "tokens_b64": base64.b64encode(query.astype("<u4").tobytes()).decode()}
+            for body in (ids, b64, {**ids, "include_placements": True}):
+                await _post(client, "/directory/blend-lookup", _found, json=body)
+            await _post(client, "/directory/blend-lookup/batch", lambda b: all(r.get("matches") for r in b["results"]),
+                        json={"queries": [ids, b64]})
+            await _post(client, "/route/score", lambda b: "scores" in b or isinstance(b, dict), json=ids)
+            await _post(client, "/directory/lookup", lambda b: isinstance(b, dict),
+                        json={"token_ids": query.tolist(), "model_name": _MODEL})
+            await _post(client, "/directory/lookup", lambda b: isinstance(b, dict), json={"keys": [_key(1)]})
+            step("lookups")
+            # 5. removals: a DELETE of the first entry
+            await _post(client, "/events", applied,
+                        content=store_body(tokens[:c], seq=4, chunk_size=c, event_type="delete"),
+                        headers={"content-type": "application/json"})
+            step("DELETE")
+
+
+def compile_everything(config: ServiceConfig, *, engine: Any = None, filter_mode: Optional[str] = None,
+                       progress: Optional[Progress] = None) -> WarmupReport:
+    """Compile (or load from the compile cache) every kernel the service with ``config``
+    runs; see the module docstring. ``engine``: the real index's engine object (None: the
+    one ``config.engine`` selects); ``filter_mode``: its slot filter. Runs its own event
+    loop: call it from a thread that has none (the service runs it on an executor thread,
+    so that the server's loop keeps answering ``/healthz`` and ``/readyz``). Raises
+    :class:`WarmupFailed` when a path answers differently than it would a client."""
+    report = WarmupReport(cache=compile_cache().describe())
+    t0 = last = time.perf_counter()
+
+    def step(what: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        report.steps.append((what, now - last))
+        if progress is not None:
+            progress(f"{what}: {now - last:.1f} s")
+        last = now
+
+    asyncio.run(_drive(config, engine, filter_mode, step))  # with blend lookup off too: the parser
+    # The CPU engine's two probes: the serial one (the GPU's failover when another engine
+    # runs) and the parallel one, which only a batch of PARALLEL_MIN_WINDOWS (2^18) windows
+    # or more takes: here forced on a tiny batch.
+    from blendmatch.gpu.cpu import CpuEngine
+    from blendmatch.index.blend_index import BlendIndex
+
+    for cpu in (CpuEngine("warm-up"), CpuEngine("warm-up", item_windows=16, parallel_min_windows=0)):
+        BlendIndex(config.chunk_size, config.blend_probe_stride, cpu).warm_up()
+    step("the CPU engine's serial and parallel probes")
+    from .publish.wire import EventEncoder  # --kv-events-endpoint's (no pyzmq needed to encode)
+
+    EventEncoder(config.kv_events_encoding, config.kv_events_int_hashes).warm_up()
+    step("the KV-events encoder")
+    report.seconds = time.perf_counter() - t0
+    return report
