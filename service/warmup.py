@@ -33,6 +33,7 @@ import asyncio
 import base64
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -40,6 +41,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from blendmatch.compile_cache import current as compile_cache
+
+from blendmatch.index.tokens import SPLIT_MIN_BYTES
 
 from .config import ServiceConfig
 
@@ -133,36 +136,42 @@ async def _drive(config: ServiceConfig, engine: Any, filter_mode: Optional[str],
     c = scratch.chunk_size
     app = create_app(scratch, directory=_scratch_directory(scratch, engine, filter_mode),
                      access=AccessPolicy.protected_mode())
+    app.state.blendmatch_context.compile_mode = "off"  # it is what compiles
     rng = np.random.default_rng(45)
-    tokens = rng.integers(0, 150_000, size=4 * c, dtype=np.uint32)
+    tokens = rng.integers(100_000, 150_000, size=4 * c, dtype=np.uint32)  # ids of a 150k vocabulary
+    # the fewest chunks whose body the split parser takes (one 256-token entry at the default size)
+    k = next(k for k in range(1, SPLIT_MIN_BYTES + 1)
+             if len(store_body(tokens[:c].repeat(k), chunk_size=c)) >= SPLIT_MIN_BYTES)
+    tokens = rng.integers(100_000, 150_000, size=(2 * k + 2) * c, dtype=np.uint32)
     ns = {"model_name": _MODEL, "world_size": 1, "cache_salt": ""}
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 45045))
         async with httpx.AsyncClient(transport=transport, base_url="http://warm-up", timeout=None) as client:
             step("starting the scratch service")
-            # registered, so that the placements paths below have a live holder to rank
-            await _post(client, "/instances", lambda b: isinstance(b, dict),
-                        json={"instance_id": _INSTANCE, "ip": "127.0.0.1", "http_port": 1})
             applied = lambda body: body.get("applied") == 1  # noqa: E731 - one expectation per call
             # 1. the STORE LMCache sends: one 256-token entry (the entries split parser)
-            await _post(client, "/events", applied, content=store_body(tokens[:c], seq=1, chunk_size=c),
+            await _post(client, "/events", applied, content=store_body(tokens[:k * c], seq=1, chunk_size=c),
                         headers={"content-type": "application/json"})
             # 2. a body the entries split gives up on (an escaped character): the token_ids split
-            escaped = store_body(tokens[c:2 * c], seq=2, first_hash=2, chunk_size=c).replace(
+            escaped = store_body(tokens[k * c:2 * k * c], seq=2, first_hash=k + 1, chunk_size=c).replace(
                 b'"backend":"dram"', b'"backend":"dr\\u0061m"')
             await _post(client, "/events", applied, content=escaped, headers={"content-type": "application/json"})
             # 3. a body split on the prepare thread, growing the index's tables
-            big = np.concatenate([tokens[2 * c:4 * c], rng.integers(0, 150_000, size=(_BIG_ENTRIES - 2) * c,
-                                                                      dtype=np.uint32)])
-            await _post(client, "/events", applied, content=store_body(big, seq=3, first_hash=3, chunk_size=c),
+            big = rng.integers(100_000, 150_000, size=_BIG_ENTRIES * c, dtype=np.uint32)
+            await _post(client, "/events", applied,
+                        content=store_body(big, seq=3, first_hash=2 * k + 1, chunk_size=c),
                         headers={"content-type": "application/json"})
             step("STORE parsing and indexing")
-            # 4. lookups, both token forms, one and batched, with and without placements
-            query = tokens[: 3 * c]
+            # 4. lookups, both token forms, one and batched, with and without placements; at
+            # least 1,024 tokens, so that the token_ids lists are split by the parser too
+            query = np.tile(tokens[:2 * k * c], -(-1024 // (2 * k * c)))
             ids = {**ns, "token_ids": query.tolist()}
             b64 = {**ns, "tokens_b64": base64.b64encode(query.astype("<u4").tobytes()).decode()}
-            for body in (ids, b64, {**ids, "include_placements": True}):
+            for body in (ids, b64):
                 await _post(client, "/directory/blend-lookup", _found, json=body)
+            # no instance is registered (nothing to log): the placements path drops every match
+            await _post(client, "/directory/blend-lookup", lambda b: "matches" in b,
+                        json={**ids, "include_placements": True})
             await _post(client, "/directory/blend-lookup/batch", lambda b: all(r.get("matches") for r in b["results"]),
                         json={"queries": [ids, b64]})
             await _post(client, "/route/score", lambda b: "scores" in b or isinstance(b, dict), json=ids)
@@ -172,9 +181,21 @@ async def _drive(config: ServiceConfig, engine: Any, filter_mode: Optional[str],
             step("lookups")
             # 5. removals: a DELETE of the first entry
             await _post(client, "/events", applied,
-                        content=store_body(tokens[:c], seq=4, chunk_size=c, event_type="delete"),
+                        content=store_body(tokens[:k * c], seq=4, chunk_size=c, event_type="delete"),
                         headers={"content-type": "application/json"})
             step("DELETE")
+
+
+#: Compiled code stays for the process's life: one warm-up per process is enough (numba
+#: specializes on types, never on the chunk size or stride). Later calls wait for the
+#: first and return at once.
+_once = threading.Lock()
+_done: list[WarmupReport] = []
+
+
+def _not_ours(record: logging.LogRecord) -> bool:
+    """httpx logs every request at INFO: the scratch service's stay out of the server's log."""
+    return "http://warm-up/" not in str(record.args)
 
 
 def compile_everything(config: ServiceConfig, *, engine: Any = None, filter_mode: Optional[str] = None,
@@ -185,6 +206,16 @@ def compile_everything(config: ServiceConfig, *, engine: Any = None, filter_mode
     loop: call it from a thread that has none (the service runs it on an executor thread,
     so that the server's loop keeps answering ``/healthz`` and ``/readyz``). Raises
     :class:`WarmupFailed` when a path answers differently than it would a client."""
+    with _once:
+        if _done:
+            return WarmupReport(cache=_done[0].cache, steps=[("already compiled in this process", 0.0)])
+        report = _compile(config, engine, filter_mode, progress)
+        _done.append(report)
+        return report
+
+
+def _compile(config: ServiceConfig, engine: Any, filter_mode: Optional[str], progress: Optional[Progress]
+             ) -> WarmupReport:
     report = WarmupReport(cache=compile_cache().describe())
     t0 = last = time.perf_counter()
 
@@ -196,7 +227,12 @@ def compile_everything(config: ServiceConfig, *, engine: Any = None, filter_mode
             progress(f"{what}: {now - last:.1f} s")
         last = now
 
-    asyncio.run(_drive(config, engine, filter_mode, step))  # with blend lookup off too: the parser
+    httpx_log = logging.getLogger("httpx")
+    httpx_log.addFilter(_not_ours)
+    try:
+        asyncio.run(_drive(config, engine, filter_mode, step))  # with blend lookup off too: the parser
+    finally:
+        httpx_log.removeFilter(_not_ours)
     # The CPU engine's two probes: the serial one (the GPU's failover when another engine
     # runs) and the parallel one, which only a batch of PARALLEL_MIN_WINDOWS (2^18) windows
     # or more takes: here forced on a tiny batch.
