@@ -96,11 +96,17 @@ def store_body(tokens: np.ndarray, *, seq: int = 1, first_hash: int = 1, chunk_s
 
 
 def _scratch_config(config: ServiceConfig) -> ServiceConfig:
-    """The real settings minus everything that reaches outside the process or its state."""
-    return config.model_copy(update={
+    """The real settings minus everything that reaches outside the process or its state,
+    and with the default request limits (a small ``--max-request-tokens`` must not refuse
+    the warm-up's own requests: the kernels do not depend on it)."""
+    defaults = ServiceConfig()
+    return ServiceConfig(**{**config.model_dump(), **{
         "checkpoint_path": "", "require_checkpoint": False, "event_transport": "http", "kv_events_endpoint": "",
         "upstream_coordinator": "", "refuse_lookups_until_ready": False, "access_file": None,
-        "health_check_interval": 0.0, "enable_blend_lookup": True})
+        "ssl_certfile": None, "ssl_keyfile": None, "ssl_ca_certs": None,
+        "health_check_interval": 0.0, "enable_blend_lookup": True, "max_instances": defaults.max_instances,
+        "max_request_tokens": defaults.max_request_tokens, "max_body_bytes": None,
+        "max_bytes_in_flight": defaults.max_bytes_in_flight}})
 
 
 def _scratch_directory(config: ServiceConfig, engine: Any, filter_mode: Optional[str]) -> Any:

@@ -168,3 +168,23 @@ def test_the_warmup_command_compiles_into_its_cache_dir(tmp_path: Path) -> None:
     assert str(target / "numba") in proc.stdout and "compiled in" in proc.stdout, proc.stdout
     assert [p for p in (target / "numba").rglob("*") if p.name.startswith("occupancy.")], (
         "the occupancy kernel was not compiled into --cache-dir")
+
+
+def test_the_scratch_service_keeps_nothing_of_the_real_ones_outside_reach_or_limits() -> None:
+    """The warm-up's own requests must pass whatever the real limits are, and its scratch
+    service must reach nothing outside the process (no checkpoint, broker, socket, upstream)."""
+    from blendmatch.service.config import ServiceConfig
+    from blendmatch.service.warmup import _scratch_config
+
+    real = ServiceConfig(event_transport="kafka", kafka_bootstrap_servers="broker:9092", replica_id="r1",
+                         kv_events_endpoint="tcp://127.0.0.1:5557", checkpoint_path="/tmp/never.ckpt",
+                         require_checkpoint=True, upstream_coordinator="http://upstream:9000",
+                         max_request_tokens=100, max_body_bytes=2048, max_bytes_in_flight=1 << 16,
+                         enable_blend_lookup=False, chunk_size=64, blend_probe_stride=4)
+    scratch = _scratch_config(real)
+    assert (scratch.event_transport, scratch.kv_events_endpoint, scratch.checkpoint_path,
+            scratch.upstream_coordinator) == ("http", "", "", "")
+    defaults = ServiceConfig()
+    assert scratch.max_request_tokens == defaults.max_request_tokens
+    assert scratch.max_body_bytes == defaults.max_body_bytes and scratch.enable_blend_lookup
+    assert (scratch.chunk_size, scratch.blend_probe_stride) == (64, 4)  # the real index's shape
