@@ -14,7 +14,7 @@ The cache folder is handed over as ``NUMBA_CACHE_DIR`` (which ``blendmatch`` hon
 ``--python`` can point at an interpreter with another blendmatch installed (an A/B against
 an older tree). Not a test: figures depend on the machine; print them, compare side by side.
 
-    python -m blendmatch.bench.coldstart [--warm-runs 2] [--python PATH] [--chunk-size 256]
+    python -m blendmatch.bench.coldstart [--warm-runs 2] [--python PATH] [--cache DIR] [--chunk-size 256]
 """
 
 from __future__ import annotations
@@ -152,15 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take to be ready")
     p.add_argument("--show-log", action="store_true", help="print the tail of each server's log")
+    p.add_argument("--cache", default="", metavar="DIR",
+                   help="numba's cache folder to use and keep (default: a new empty one, removed after); a filled "
+                        "one makes the first start warm too (A/B runs of two trees, each with its own folder)")
     args = p.parse_args(argv)
-    folder = tempfile.mkdtemp(prefix="blendmatch-coldstart-")
-    cache = os.path.join(folder, "numba")
-    print(f"serving with {args.python}; compile cache {cache} (empty at first); "
+    folder = args.cache or tempfile.mkdtemp(prefix="blendmatch-coldstart-")
+    cache = args.cache or os.path.join(folder, "numba")
+    filled = bool(args.cache) and os.path.isdir(cache) and bool(os.listdir(cache))
+    print(f"serving with {args.python}; compile cache {cache} ({'filled' if filled else 'empty at first'}); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     runs: list[Run] = []
     try:
         for i in range(1 + args.warm_runs):
-            label = "cold" if i == 0 else f"warm {i}"
+            label = ("warm 0" if filled else "cold") if i == 0 else f"warm {i}"
             run = one_start(label, args.python, cache, args.chunk_size, args.warm_requests, args.timeout)
             runs.append(run)
             print(f"  {label}: ready after {run.ready_s:.2f} s; first STORE {run.first['store'] * 1e3:.1f} ms",
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.show_log:
                 print(run.log_tail)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if not args.cache:
+            shutil.rmtree(folder, ignore_errors=True)
     _report(runs)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0

@@ -71,6 +71,7 @@ def stable_folder():
 
 def test_serving_from_an_installed_wheel_writes_nothing_into_the_package(tmp_path: Path, stable_folder: Path):
     src = tmp_path / "src"
+    src.mkdir()
     for name in ("pyproject.toml", "README.md", "top", "bench", "gpu", "index", "service"):
         path = ROOT / name
         if path.is_dir():
