@@ -153,7 +153,7 @@ async def _drive(config: ServiceConfig, engine: Any, filter_mode: Optional[str],
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 45045))
         async with httpx.AsyncClient(transport=transport, base_url="http://warm-up", timeout=None) as client:
-            step("starting the scratch service")
+            step("numba's start-up and the scratch service")
             applied = lambda body: body.get("applied") == 1  # noqa: E731 - one expectation per call
             # 1. the STORE LMCache sends: one 256-token entry (the entries split parser)
             await _post(client, "/events", applied, content=store_body(tokens[:k * c], seq=1, chunk_size=c),
