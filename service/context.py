@@ -326,9 +326,8 @@ class ServiceContext:
         """503 (:class:`ServiceUnavailable`, ``Retry-After: 1``) while the start-up compiles
         the kernels (``compile_mode`` "background"): the request would wait for it."""
         if self.durability.compiling:
-            raise ServiceUnavailable("compiling: this server is compiling its kernels after start "
-                                     "(blendmatch warmup in the image build makes that seconds); retry",
-                                     retry_after_s=1)
+            raise ServiceUnavailable("not ready yet (compiling): this server compiles its kernels after start "
+                                     "(blendmatch warmup ahead makes that about a second); retry", retry_after_s=1)
 
     def _start_restore(self) -> None:
         """Restore on the events thread, first in its queue: event requests that arrive
