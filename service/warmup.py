@@ -95,18 +95,18 @@ def store_body(tokens: np.ndarray, *, seq: int = 1, first_hash: int = 1, chunk_s
     return json.dumps({"batches": [batch]}, separators=(",", ":")).encode()
 
 
+#: The settings the scratch service takes from the real one: those that shape the index and
+#: the paths the kernels run on. Everything else is the default: nothing that reaches outside
+#: the process or its state (checkpoint, broker, sockets, upstream), and the default request
+#: limits (a small ``--max-request-tokens`` must not refuse the warm-up's own requests).
+_CARRIED = ("chunk_size", "blend_probe_stride", "hash_algorithm", "engine", "engine_threads", "max_batch_tokens",
+            "max_batch_wait_ms", "kv_events_encoding", "kv_events_int_hashes")
+
+
 def _scratch_config(config: ServiceConfig) -> ServiceConfig:
-    """The real settings minus everything that reaches outside the process or its state,
-    and with the default request limits (a small ``--max-request-tokens`` must not refuse
-    the warm-up's own requests: the kernels do not depend on it)."""
-    defaults = ServiceConfig()
-    return ServiceConfig(**{**config.model_dump(), **{
-        "checkpoint_path": "", "require_checkpoint": False, "event_transport": "http", "kv_events_endpoint": "",
-        "upstream_coordinator": "", "refuse_lookups_until_ready": False, "access_file": None,
-        "ssl_certfile": None, "ssl_keyfile": None, "ssl_ca_certs": None,
-        "health_check_interval": 0.0, "enable_blend_lookup": True, "max_instances": defaults.max_instances,
-        "max_request_tokens": defaults.max_request_tokens, "max_body_bytes": None,
-        "max_bytes_in_flight": defaults.max_bytes_in_flight}})
+    """The scratch service's settings (see :data:`_CARRIED`)."""
+    return ServiceConfig(host="127.0.0.1", health_check_interval=0.0,
+                         **{name: getattr(config, name) for name in _CARRIED})
 
 
 def _scratch_directory(config: ServiceConfig, engine: Any, filter_mode: Optional[str]) -> Any:
