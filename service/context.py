@@ -305,8 +305,7 @@ class ServiceContext:
         t0 = time.perf_counter()
         try:
             await loop.run_in_executor(None, lambda: compile_everything(
-                self.config, engine=None if index is None else index.engine,
-                filter_mode=None if index is None else index.filter))
+                self.config, filter_mode=None if index is None else index.filter))
             if index is not None:
                 await loop.run_in_executor(self.lookups.executor, index.warm_up)
         except Exception as exc:  # noqa: BLE001 - the server cannot promise its answers' latency

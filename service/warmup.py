@@ -12,11 +12,13 @@ sends: the split parser of ``index/_jsonentries.py``), a body that parser gives 
 ``token_ids`` split of ``index/_jsontok.py``), a body large enough to be split on the
 prepare thread, a DELETE, then blend lookups in both token forms, singly and batched,
 ``/directory/lookup`` in both forms and ``/route/score``. The scratch service has its own
-directory on the same engine object, chunk size, stride and filter as the real one, so
-the real index, its metrics and its checkpoint see nothing; the real index then runs its
-own :meth:`BlendIndex.warm_up` on its lookup thread (page-in). Where the active engine is
-not the CPU engine, the CPU engine (the documented failover) is compiled too; so is the
-vLLM KV-events encoder (``--kv-events-endpoint``).
+directory with the real one's chunk size, stride and filter, on a CPU engine of its own
+(the numba kernels are the CPU engine's and the index's; the GPU engine compiles its own
+kernels when it is built, and the CPU engine is its documented failover), so the real
+index, its engine, its metrics and its checkpoint see nothing; the real index then runs
+its own :meth:`BlendIndex.warm_up` on its lookup thread (page-in). The CPU engine's
+parallel probe (taken only by batches of 2^18 windows or more) and the vLLM KV-events
+encoder (``--kv-events-endpoint``) are compiled too.
 
 ``tests/test_warmup.py`` holds this to its promise: after a warm-up, every numba
 dispatcher in the package's modules has a compiled signature.
@@ -99,7 +101,7 @@ def store_body(tokens: np.ndarray, *, seq: int = 1, first_hash: int = 1, chunk_s
 #: the paths the kernels run on. Everything else is the default: nothing that reaches outside
 #: the process or its state (checkpoint, broker, sockets, upstream), and the default request
 #: limits (a small ``--max-request-tokens`` must not refuse the warm-up's own requests).
-_CARRIED = ("chunk_size", "blend_probe_stride", "hash_algorithm", "engine", "engine_threads", "max_batch_tokens",
+_CARRIED = ("chunk_size", "blend_probe_stride", "hash_algorithm", "engine_threads", "max_batch_tokens",
             "max_batch_wait_ms", "kv_events_encoding", "kv_events_int_hashes")
 
 
@@ -109,13 +111,14 @@ def _scratch_config(config: ServiceConfig) -> ServiceConfig:
                          **{name: getattr(config, name) for name in _CARRIED})
 
 
-def _scratch_directory(config: ServiceConfig, engine: Any, filter_mode: Optional[str]) -> Any:
+def _scratch_directory(config: ServiceConfig, filter_mode: Optional[str]) -> Any:
+    from blendmatch.gpu.cpu import CpuEngine
     from blendmatch.index.key_directory import KeyDirectory
 
     directory = KeyDirectory()
     kwargs = {} if filter_mode is None else {"filter": filter_mode}
     directory.enable_blend_lookup(chunk_size=config.chunk_size, probe_stride=config.blend_probe_stride,
-                                  engine=config.engine if engine is None else engine, **kwargs)
+                                  engine=CpuEngine("the warm-up's scratch service"), **kwargs)
     return directory
 
 
@@ -131,7 +134,7 @@ def _found(body: Any) -> bool:
     return bool(body.get("matches"))
 
 
-async def _drive(config: ServiceConfig, engine: Any, filter_mode: Optional[str], step: Callable[[str], None]) -> None:
+async def _drive(config: ServiceConfig, filter_mode: Optional[str], step: Callable[[str], None]) -> None:
     """The scratch service through every path that compiles something (module docstring)."""
     import httpx
 
@@ -140,7 +143,7 @@ async def _drive(config: ServiceConfig, engine: Any, filter_mode: Optional[str],
 
     scratch = _scratch_config(config)
     c = scratch.chunk_size
-    app = create_app(scratch, directory=_scratch_directory(scratch, engine, filter_mode),
+    app = create_app(scratch, directory=_scratch_directory(scratch, filter_mode),
                      access=AccessPolicy.protected_mode())
     app.state.blendmatch_context.compile_mode = "off"  # it is what compiles
     rng = np.random.default_rng(45)
@@ -204,23 +207,23 @@ def _not_ours(record: logging.LogRecord) -> bool:
     return "http://warm-up/" not in str(record.args)
 
 
-def compile_everything(config: ServiceConfig, *, engine: Any = None, filter_mode: Optional[str] = None,
+def compile_everything(config: ServiceConfig, *, filter_mode: Optional[str] = None,
                        progress: Optional[Progress] = None) -> WarmupReport:
     """Compile (or load from the compile cache) every kernel the service with ``config``
-    runs; see the module docstring. ``engine``: the real index's engine object (None: the
-    one ``config.engine`` selects); ``filter_mode``: its slot filter. Runs its own event
+    runs; see the module docstring. ``filter_mode``: the real index's slot filter (None:
+    the default). Runs its own event
     loop: call it from a thread that has none (the service runs it on an executor thread,
     so that the server's loop keeps answering ``/healthz`` and ``/readyz``). Raises
     :class:`WarmupFailed` when a path answers differently than it would a client."""
     with _once:
         if _done:
             return WarmupReport(cache=_done[0].cache, steps=[("already compiled in this process", 0.0)])
-        report = _compile(config, engine, filter_mode, progress)
+        report = _compile(config, filter_mode, progress)
         _done.append(report)
         return report
 
 
-def _compile(config: ServiceConfig, engine: Any, filter_mode: Optional[str], progress: Optional[Progress]
+def _compile(config: ServiceConfig, filter_mode: Optional[str], progress: Optional[Progress]
              ) -> WarmupReport:
     report = WarmupReport(cache=compile_cache().describe())
     t0 = last = time.perf_counter()
@@ -236,12 +239,11 @@ def _compile(config: ServiceConfig, engine: Any, filter_mode: Optional[str], pro
     httpx_log = logging.getLogger("httpx")
     httpx_log.addFilter(_not_ours)
     try:
-        asyncio.run(_drive(config, engine, filter_mode, step))  # with blend lookup off too: the parser
+        asyncio.run(_drive(config, filter_mode, step))  # with blend lookup off too: the parser
     finally:
         httpx_log.removeFilter(_not_ours)
-    # The CPU engine's two probes: the serial one (the GPU's failover when another engine
-    # runs) and the parallel one, which only a batch of PARALLEL_MIN_WINDOWS (2^18) windows
-    # or more takes: here forced on a tiny batch.
+    # The CPU engine's parallel probe, which only a batch of PARALLEL_MIN_WINDOWS (2^18)
+    # windows or more takes: here forced on a tiny batch (and the serial one once more).
     from blendmatch.gpu.cpu import CpuEngine
     from blendmatch.index.blend_index import BlendIndex
 
