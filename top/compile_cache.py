@@ -128,8 +128,13 @@ def _temporary_folder() -> str:
     if temp is None:
         temp = tempfile.mkdtemp(prefix="blendmatch-numba-")
         _state["temp"] = temp
-        atexit.register(shutil.rmtree, temp, True)
+        atexit.register(_remove, temp, os.getpid())
     return temp
+
+
+def _remove(folder: str, owner: int) -> None:
+    if os.getpid() == owner:  # not a forked child's exit: the folder is its parent's
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def configure(cache_dir: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> CacheSetting:
@@ -137,8 +142,13 @@ def configure(cache_dir: Optional[str] = None, environ: Optional[Mapping[str, st
     return the decision. Idempotent; a later call changes the folder only for functions
     decorated after it (the CLI calls it with ``--cache-dir`` before importing any kernel)."""
     env = os.environ if environ is None else environ
-    chosen, source = _choose(cache_dir, env)
-    problem = _unwritable(chosen)
+    try:
+        chosen, source = _choose(cache_dir, env)
+    except RuntimeError as exc:  # no home folder to be found (Path.home())
+        chosen, source = "~/.cache/blendmatch/numba", "the default ~/.cache"
+        problem = f"no home folder: {exc}"
+    else:
+        problem = _unwritable(chosen)
     folder = chosen
     if problem:
         folder = _temporary_folder()
