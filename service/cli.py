@@ -210,11 +210,14 @@ def _warmup(argv: Sequence[str]) -> int:
     print(f"blendmatch warmup: compile cache {cache.folder} (from {cache.source})", flush=True)
     t0 = time.perf_counter()
     from .config import ServiceConfig
-    from .warmup import compile_everything
+    from .warmup import WarmupFailed, compile_everything
 
-    report = compile_everything(ServiceConfig(), progress=lambda line: print(f"  {line}", flush=True))
+    try:
+        compile_everything(ServiceConfig(), progress=lambda line: print(f"  {line}", flush=True))
+    except WarmupFailed as exc:  # a bug: the same request would fail for a client
+        return _fail("blendmatch warmup", 1, str(exc))
     print(f"blendmatch warmup: compiled in {time.perf_counter() - t0:.1f} s into {cache.folder}", flush=True)
-    return 0 if report.steps else 1
+    return 0
 
 
 def _add_access_key_parser(p: argparse.ArgumentParser) -> None:

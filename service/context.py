@@ -293,9 +293,12 @@ class ServiceContext:
 
     async def _compile(self) -> None:
         """Compile (or load from the compile cache) every kernel the service runs
-        (``warmup.compile_everything``, once per process, on a worker thread with its own
-        loop), then run the real index's own warm-up on the lookup thread (page-in). A
-        failure there is a bug: fatal, as a failed restore is."""
+        (``warmup.compile_everything``, once per process, on a daemon thread with its own
+        loop: a stop during a cold compile does not wait for it), then run the real index's
+        own warm-up on the lookup thread (page-in). A failure there is a bug: fatal, as a
+        failed restore is."""
+        import threading
+
         from blendmatch.compile_cache import current as compile_cache
 
         from .warmup import compile_everything
@@ -303,9 +306,29 @@ class ServiceContext:
         loop = asyncio.get_running_loop()
         index = self.directory.blend_index
         t0 = time.perf_counter()
+        done: asyncio.Future = loop.create_future()
+
+        def compile_all() -> None:
+            outcome: BaseException | None = None
+            try:
+                compile_everything(self.config, filter_mode=None if index is None else index.filter)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop
+                outcome = exc
+
+            def settle() -> None:
+                if done.done():
+                    return
+                if outcome is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(outcome)
+
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(settle)
+
         try:
-            await loop.run_in_executor(None, lambda: compile_everything(
-                self.config, filter_mode=None if index is None else index.filter))
+            threading.Thread(target=compile_all, name="blendmatch-compile", daemon=True).start()
+            await done
             if index is not None:
                 await loop.run_in_executor(self.lookups.executor, index.warm_up)
         except Exception as exc:  # noqa: BLE001 - the server cannot promise its answers' latency
