@@ -147,11 +147,12 @@ async def _drive(config: ServiceConfig, filter_mode: Optional[str], step: Callab
                      access=AccessPolicy.protected_mode())
     app.state.blendmatch_context.compile_mode = "off"  # it is what compiles
     rng = np.random.default_rng(45)
-    tokens = rng.integers(100_000, 150_000, size=4 * c, dtype=np.uint32)  # ids of a 150k vocabulary
-    # the fewest chunks whose body the split parser takes (one 256-token entry at the default size)
+    # the fewest chunks whose body the split parser takes (one 256-token entry at the default
+    # size); token ids of a 150k vocabulary, 6 digits each as in a real body
+    sample = rng.integers(100_000, 150_000, size=c, dtype=np.uint32)
     k = next(k for k in range(1, SPLIT_MIN_BYTES + 1)
-             if len(store_body(tokens[:c].repeat(k), chunk_size=c)) >= SPLIT_MIN_BYTES)
-    tokens = rng.integers(100_000, 150_000, size=(2 * k + 2) * c, dtype=np.uint32)
+             if len(store_body(np.tile(sample, k), chunk_size=c)) >= SPLIT_MIN_BYTES)
+    tokens = rng.integers(100_000, 150_000, size=2 * k * c, dtype=np.uint32)
     ns = {"model_name": _MODEL, "world_size": 1, "cache_salt": ""}
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 45045))
@@ -183,7 +184,7 @@ async def _drive(config: ServiceConfig, filter_mode: Optional[str], step: Callab
                         json={**ids, "include_placements": True})
             await _post(client, "/directory/blend-lookup/batch", lambda b: all(r.get("matches") for r in b["results"]),
                         json={"queries": [ids, b64]})
-            await _post(client, "/route/score", lambda b: "scores" in b or isinstance(b, dict), json=ids)
+            await _post(client, "/route/score", lambda b: isinstance(b, dict), json=ids)
             await _post(client, "/directory/lookup", lambda b: isinstance(b, dict),
                         json={"token_ids": query.tolist(), "model_name": _MODEL})
             await _post(client, "/directory/lookup", lambda b: isinstance(b, dict), json={"keys": [_key(1)]})
