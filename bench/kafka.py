@@ -232,12 +232,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             import httpx
 
-            while True:
+            while True:  # listening and compiled (lookups answer 503 "compiling" before)
                 try:
-                    if r.client.get("/healthz").status_code == 200:
+                    if "compiling" not in r.client.get("/readyz").json().get("reasons", ()):
                         break
                 except httpx.TransportError:
-                    time.sleep(0.02)
+                    pass
+                time.sleep(0.02)
             stop, during = threading.Event(), []
             t = threading.Thread(target=_lookups, args=(r, tokens, stop, during, 1))
             t.start()

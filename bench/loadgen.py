@@ -52,7 +52,9 @@ def spawn_server(args: Sequence[str], *, log_path: str | os.PathLike | None = No
 def spawn_process(cmd: Sequence[str], port: int, *, log_path: str | os.PathLike | None = None,
                   timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
     """Start ``cmd``, a server that will listen on ``127.0.0.1:port``, and wait for its
-    ``GET /healthz`` (blendmatch's or LMCache's coordinator: ``loadtest --vs-lmcache``)."""
+    ``GET /healthz`` (blendmatch's or LMCache's coordinator: ``loadtest --vs-lmcache``),
+    then, for blendmatch, until its ``/readyz`` no longer says ``compiling`` (requests
+    answer 503 until then)."""
     if log_path is not None:
         with open(log_path, "wb") as out:  # the child keeps its own descriptor
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -64,16 +66,26 @@ def spawn_process(cmd: Sequence[str], port: int, *, log_path: str | os.PathLike 
         if proc.poll() is not None:
             break
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if s.recv(64).startswith(b"HTTP/1.1 200"):
-                    return proc, url
+            if _get(port, "/healthz").startswith(b"HTTP/1.1 200") and b'"compiling"' not in _get(port, "/readyz"):
+                return proc, url
         except OSError:
             pass
         time.sleep(0.1)
     stop_server(proc)
     tail = Path(log_path).read_text(errors="replace")[-2000:] if log_path is not None else ""
     raise RuntimeError(f"server did not come up ({' '.join(cmd)}):\n{tail}")
+
+
+def _get(port: int, path: str) -> bytes:
+    """The whole response to ``GET path`` (``Connection: close``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+        s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+        got = b""
+        while True:
+            piece = s.recv(4096)
+            if not piece:
+                return got
+            got += piece
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> int:

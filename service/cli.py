@@ -1,4 +1,4 @@
-"""``blendmatch`` (and ``python -m blendmatch``): serve, lookup, bench, loadtest, openapi.
+"""``blendmatch`` (and ``python -m blendmatch``): serve, warmup, lookup, bench, loadtest, openapi.
 
 ``blendmatch serve`` accepts every LMCache 0.5.6 coordinator flag: those that overlap mean
 the same (``--host``, ``--port``, ``--chunk-size``, ``--blend-probe-stride``,
@@ -44,7 +44,7 @@ from .startcheck import (OneLineArgumentParser, StartError, bind_sockets, check_
 __all__ = ["main", "build_parser", "config_from_args", "ignored_flag_warnings", "uvicorn_tls_kwargs", "read_token_file",
            "LMCACHE_IGNORED_FLAGS", "EXIT_DATAERR", "EXIT_NOINPUT", "EXIT_PROTOCOL", "EXIT_UNAVAILABLE"]
 
-_SUBCOMMANDS = ("serve", "lookup", "bench", "loadtest", "openapi", "checkpoint", "access-key")
+_SUBCOMMANDS = ("serve", "warmup", "lookup", "bench", "loadtest", "openapi", "checkpoint", "access-key")
 
 #: ``blendmatch lookup`` exit statuses (BSD sysexits.h; 2 stays argparse's usage error).
 EXIT_DATAERR = 65      # the token file is not a list of token ids
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                             description=_LOOKUP_DESCRIPTION, epilog=_LOOKUP_EPILOG,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_lookup_flags(lookup)
+    _add_warmup_flags(sub.add_parser("warmup", help="compile every kernel into the compile cache, without serving",
+                                     description=_WARMUP_DESCRIPTION))
     sub.add_parser("bench", help="core benchmark (blendmatch bench --help)", add_help=False)
     sub.add_parser("loadtest", help="HTTP load test (blendmatch loadtest --help)", add_help=False)
     sub.add_parser("openapi", help="print the OpenAPI schema (JSON)")
@@ -168,6 +170,59 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("path")
     _add_access_key_parser(sub.add_parser("access-key", help="print a new API key and its access-file entry"))
     return parser
+
+
+_WARMUP_DESCRIPTION = """Compile every kernel blendmatch serve runs into the compile cache, without serving.
+
+For image builds and first installs: run it once as the user that will serve (or with the
+same --cache-dir), and each later start loads the compiled code in about a second instead
+of compiling for tens of seconds. Prints each step, the time and the cache folder; exits 1
+when the cache folder cannot be written (nothing would be kept)."""
+
+
+def _add_warmup_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", default="", metavar="DIR",
+                   help=_help("the compile cache folder (numba's files in DIR/numba)",
+                              default="$BLENDMATCH_CACHE_DIR, else $XDG_CACHE_HOME/blendmatch, else ~/.cache/blendmatch"))
+
+
+def _apply_cache_dir(argv: Sequence[str]) -> None:
+    """``--cache-dir`` of ``serve``/``warmup``, applied before anything imports a kernel
+    (building ``serve``'s parser imports the engines: numba picks a function's cache
+    folder when the function is defined)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--cache-dir", default="")
+    known, _ = pre.parse_known_args(argv)
+    if known.cache_dir:
+        from blendmatch.compile_cache import configure
+
+        configure(known.cache_dir)
+
+
+def _warmup(argv: Sequence[str]) -> int:
+    import time
+
+    from blendmatch.compile_cache import current
+
+    p = OneLineArgumentParser(prog="blendmatch warmup", description=_WARMUP_DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_warmup_flags(p)
+    p.parse_args(argv)
+    cache = current()
+    if not cache.persistent:
+        return _fail("blendmatch warmup", 1, f"compile cache {cache.chosen} (from {cache.source}) is not writable "
+                                             f"({cache.problem}); set --cache-dir or BLENDMATCH_CACHE_DIR")
+    print(f"blendmatch warmup: compile cache {cache.folder} (from {cache.source})", flush=True)
+    t0 = time.perf_counter()
+    from .config import ServiceConfig
+    from .warmup import WarmupFailed, compile_everything
+
+    try:
+        compile_everything(ServiceConfig(), progress=lambda line: print(f"  {line}", flush=True))
+    except WarmupFailed as exc:  # a bug: the same request would fail for a client
+        return _fail("blendmatch warmup", 1, str(exc))
+    print(f"blendmatch warmup: compiled in {time.perf_counter() - t0:.1f} s into {cache.folder}", flush=True)
+    return 0
 
 
 def _add_access_key_parser(p: argparse.ArgumentParser) -> None:
@@ -226,6 +281,10 @@ def _serve(argv: Sequence[str]) -> int:
         problems = "; ".join((f"{flag_name('_'.join(str(x) for x in e['loc']))}: " if e["loc"] else "")
                              + e["msg"] for e in exc.errors())
         parser.error(problems)
+    if config.cache_dir:  # main() applied it before the parser imported the engines; a direct call here
+        from blendmatch.compile_cache import configure
+
+        configure(config.cache_dir)
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if not 0 <= args.worker_ports_from <= 65535 - max(0, args.workers - 1):
@@ -291,6 +350,8 @@ def _serve(argv: Sequence[str]) -> int:
         app = create_app(config, access=access)
     except EngineUnavailable as exc:  # --engine gpu whose trial launch failed after check_engine
         raise StartError(engine_error(exc)) from None
+    # compile after the port opened: /readyz says "compiling" meanwhile (service/warmup.py)
+    app.state.blendmatch_context.compile_mode = "background"
     control = app.access  # type: ignore[attr-defined]
     if hasattr(signal, "SIGHUP"):
         # uvicorn captures SIGINT/SIGTERM only; SIGHUP stays ours. The handler runs on the
@@ -515,11 +576,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("serve", "warmup") or argv[0].startswith("-"):
+        _apply_cache_dir(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version")):
         return _serve(argv)  # LMCache style: flags only
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return _serve(rest)
+    if command == "warmup":
+        return _warmup(rest)
     if command == "lookup":
         return _lookup(rest)
     if command == "bench":

@@ -148,6 +148,11 @@ class ServiceConfig(BaseModel):
         default=10_000, ge=1,
         description="distinct instance ids tracked (event cursors, registrations); a request that would add one "
                     "more is a 429 with nothing applied; ids leave when their instance deregisters or expires")
+    cache_dir: str = Field(
+        default="", description="folder of the compile cache (numba's files in DIR/numba); never inside the "
+                                "installed package. blendmatch warmup --cache-dir DIR fills it ahead",
+        json_schema_extra={"shown": "$BLENDMATCH_CACHE_DIR, else $XDG_CACHE_HOME/blendmatch, else "
+                                    "~/.cache/blendmatch", "metavar": "DIR"})
 
     # access and TLS (service/access.py, docs/security.md)
     access_file: str | None = Field(

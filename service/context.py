@@ -205,7 +205,9 @@ class ServiceContext:
                          if config.event_transport == "kafka" else InstanceRegistry(config.instance_timeout))
         self._reaper: asyncio.Task[None] | None = None
         self._events_thread: EventsThread | None = None
-        self._serving = not config.refuse_lookups_until_ready
+        #: Lookups open (``check_serving``): once compiled, and with
+        #: ``refuse_lookups_until_ready`` once ready.
+        self._serving = False
         #: The Kafka event source (``--event-transport kafka``), or None for HTTP push. Built
         #: before ``durability``, which reads its lag; it reads ``durability.restored`` (and
         #: ``fatal``) only once its threads run, after ``start``.
@@ -257,6 +259,12 @@ class ServiceContext:
         self._after_ingest = AfterIngest(config.gc_freeze_ingest_bytes, config.release_free_heap,
                                          self._on_events_thread)
         self.started_at = time.time()
+        #: When ``start`` compiles the kernels (``warmup.py``): ``"wait"`` (in ``start``, so an
+        #: in-process app is compiled when its lifespan has started), ``"background"``
+        #: (``blendmatch serve``: the port opens first; ``/readyz`` says ``compiling``, lookups
+        #: and event posts answer 503 until done) or ``"off"`` (the warm-up's own scratch app).
+        self.compile_mode = "wait"
+        self._compile_task: asyncio.Future | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -280,9 +288,11 @@ class ServiceContext:
         if self.kv_events is not None:  # its sockets first: a bad endpoint stops the start-up here
             self.kv_events.start()
         await self.lookups.start()
-        index = self.directory.blend_index
-        if index is not None:  # on the lookup thread: the first batch pays no compilation or page-in
-            await asyncio.get_running_loop().run_in_executor(self.lookups.executor, index.warm_up)
+        if self.compile_mode == "background":
+            self.durability.compiling = True
+            self._compile_task = asyncio.ensure_future(self._compile())
+        elif self.compile_mode == "wait":
+            await self._compile()
         self._start_restore()
         if self.upstream is not None:
             await self.upstream.start()
@@ -291,10 +301,72 @@ class ServiceContext:
         if self.config.health_check_interval > 0:
             self._reaper = asyncio.create_task(self._reap_forever(), name="blendmatch-reaper")
         eng = self.engine_info()
+        if self.compile_mode == "off":  # the warm-up's scratch app: the log is the real server's
+            return
         log.info("blendmatch serving: engine %s (%s); chunk_size %d, probe_stride %d, max_batch_tokens %d, "
                  "max_batch_wait_ms %g, max_request_tokens %d, engine_threads %d", eng["name"], eng["reason"],
                  self.config.chunk_size, self.config.blend_probe_stride, self.config.max_batch_tokens,
                  self.config.max_batch_wait_ms, self.config.max_request_tokens, self.config.effective_engine_threads)
+
+    async def _compile(self) -> None:
+        """Compile (or load from the compile cache) every kernel the service runs
+        (``warmup.compile_everything``, once per process, on a daemon thread with its own
+        loop: a stop during a cold compile does not wait for it), then run the real index's
+        own warm-up on the lookup thread (page-in). A failure there is a bug: fatal, as a
+        failed restore is."""
+        import threading
+
+        from blendmatch.compile_cache import current as compile_cache
+
+        from .warmup import compile_everything
+
+        loop = asyncio.get_running_loop()
+        index = self.directory.blend_index
+        t0 = time.perf_counter()
+        done: asyncio.Future = loop.create_future()
+
+        def compile_all() -> None:
+            outcome: BaseException | None = None
+            try:
+                compile_everything(self.config, filter_mode=None if index is None else index.filter)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop
+                outcome = exc
+
+            def settle() -> None:
+                if done.done():
+                    return
+                if outcome is None:
+                    done.set_result(None)
+                else:
+                    done.set_exception(outcome)
+
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(settle)
+
+        try:
+            threading.Thread(target=compile_all, name="blendmatch-compile", daemon=True).start()
+            await done
+            if index is not None:
+                await loop.run_in_executor(self.lookups.executor, index.warm_up)
+        except Exception as exc:  # noqa: BLE001 - the server cannot promise its answers' latency
+            self.fatal = exc
+            log.critical("compiling the kernels failed", exc_info=exc)
+            for listener in list(self._fatal_listeners):
+                listener(exc)
+            if self.compile_mode == "wait":
+                raise
+            return
+        finally:
+            self.durability.compiling = False
+        if self.compile_mode == "background":
+            log.info("compiled in %.1f s; compile cache: %s", time.perf_counter() - t0, compile_cache().describe())
+
+    def check_compiled(self) -> None:
+        """503 (:class:`ServiceUnavailable`, ``Retry-After: 1``) while the start-up compiles
+        the kernels (``compile_mode`` "background"): the request would wait for it."""
+        if self.durability.compiling:
+            raise ServiceUnavailable("not ready yet (compiling): this server compiles its kernels after start "
+                                     "(blendmatch warmup ahead makes that about a second); retry", retry_after_s=1)
 
     def _start_restore(self) -> None:
         """Restore on the events thread, first in its queue: event requests that arrive
@@ -372,12 +444,17 @@ class ServiceContext:
             raise LimitExceeded(f"{exc.reason} (--max-request-tokens)") from None
 
     def check_serving(self) -> None:
-        """With ``refuse_lookups_until_ready``: 503 (:class:`ServiceUnavailable`) until
-        readiness first holds, so that no lookup is answered from a partly restored or
+        """503 (:class:`ServiceUnavailable`) while the start-up compiles the kernels
+        (:meth:`check_compiled`); with ``refuse_lookups_until_ready`` also until readiness
+        first holds, so that no lookup is answered from a partly restored or
         partly caught-up index where nothing routes by ``/readyz``. Once ready it stays open
         (the index never goes back; a later lag is a freshness question, as on any replica),
         so the hot path then pays one attribute read."""
         if self._serving:
+            return
+        self.check_compiled()
+        if not self.config.refuse_lookups_until_ready:
+            self._serving = True
             return
         ready, reasons = self.durability.readiness()
         if ready and self.fatal is None:

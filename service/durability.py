@@ -10,6 +10,10 @@ LMCache 0.5.6's flags, same names and defaults: ``--checkpoint-path`` (empty: of
 (a missing, corrupt or unknown-version file is fatal instead of a cold start) and
 ``--max-ready-lag`` (readiness while events come from a log).
 
+- **Compiling** (``warmup.py``): ``blendmatch serve`` opens its port, then compiles (or
+  loads from the compile cache) every kernel it runs; ``/readyz`` answers 503
+  ``compiling`` until that is done, and lookups and event posts answer 503 with
+  ``Retry-After`` (never a first request that waits tens of seconds for a compilation).
 - **Restore** runs on the events thread as its first task, after the port opened: ``/healthz``
   answers at once (a liveness probe never kills a restoring server), ``/readyz`` answers 503
   ``restoring checkpoint`` until it is done, and event requests that arrive meanwhile queue
@@ -103,6 +107,8 @@ class Durability:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.restored = not path  # nothing to restore: ready at once
+        #: True while the start-up compiles the kernels (``warmup.py``; set by the service).
+        self.compiling = False
         self.restore_result: Optional[RestoreResult] = None
         self.last: Optional[CaptureResult] = None
         self.last_at: Optional[float] = None
@@ -330,8 +336,10 @@ class Durability:
 
     # ------------------------------------------------------------------ readiness
     def readiness(self) -> tuple[bool, list[str]]:
-        """``(ready, reasons not ready)``: restored, and the log lag within bounds."""
+        """``(ready, reasons not ready)``: compiled, restored, and the log lag within bounds."""
         reasons = []
+        if self.compiling:
+            reasons.append("compiling")
         if not self.restored:
             reasons.append("restoring checkpoint")
         lag_fn = self.lag

@@ -79,9 +79,14 @@ class Forbidden(RequestRejected):
 
 
 class ServiceUnavailable(ServiceError):
-    """The service cannot answer now (batcher stopped or not started); retry later (503)."""
+    """The service cannot answer now (batcher stopped or not started, kernels still
+    compiling); retry later (503). ``retry_after_s``: sent as ``Retry-After`` when set."""
 
     status_code = 503
+
+    def __init__(self, detail: str, retry_after_s: int | None = None) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
 
 
 class BatchError(ServiceError):

@@ -159,6 +159,7 @@ class HttpPushSource:
 
     async def post_events(self, raw: bytes, may_act_for: MayActFor = None) -> bytes:
         ctx = self._ctx
+        ctx.check_compiled()  # 503 while compiling: applying would wait for it
         t0 = time.perf_counter()
         # grouped: bodies that queue up behind a busy events thread are applied as one run
         prepare = prepare_body if len(raw) >= PREPARE_MIN_BYTES else None

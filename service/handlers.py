@@ -113,7 +113,9 @@ def service_error_response(exc: ServiceError, metrics: ServiceMetrics, where: st
         log.error("%s failed: %s", log_safe(where), log_safe(exc.detail, 500))
     else:
         metrics.rejected.labels(str(exc.status_code)).inc()
-    return json_response({"detail": exc.detail}, exc.status_code)
+    retry_after = getattr(exc, "retry_after_s", None)
+    return json_response({"detail": exc.detail}, exc.status_code,
+                         None if retry_after is None else {"Retry-After": str(retry_after)})
 
 
 def validation_error_response(exc: RequestValidationError, metrics: ServiceMetrics) -> Response:

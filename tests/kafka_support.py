@@ -167,14 +167,17 @@ class Replica:
         return self.proc.poll() is None
 
     def wait_up(self, timeout: float = 60) -> None:
+        """Until it listens and has compiled its kernels (lookups answer 503 "compiling" before)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.alive(), f"replica {self.replica_id} exited {self.proc.returncode}: {self.tail()}"
             try:
-                self.client.get("/healthz")
-                return
+                ready = self.client.get("/readyz")
+                if "compiling" not in ready.json().get("reasons", ()):
+                    return
             except httpx.TransportError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise AssertionError(f"replica {self.replica_id} did not come up: {self.tail()}")
 
     def tail(self) -> str:
