@@ -39,7 +39,9 @@ partitions) is never skipped silently: ``--on-log-reset`` fails (not ready, not 
 rebuilds the state from the new log. A replica started without a checkpoint is ready only
 once at the log's end as first seen.
 
-The reaper role: ``reaper.py``.
+The reaper role: ``reaper.py``. The topic (missing, created only on request): :meth:`KafkaSource._wait_for_topic`.
+librdkafka's log: ``client_log.py``. A native crash of librdkafka (it can end the process
+with SIGSEGV, no handler running): ``crash_watch.py`` leaves a line naming the topic.
 
 ``confluent_kafka`` is imported when this module is, and this module only in Kafka mode.
 """
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import socket
 import threading
@@ -64,6 +67,8 @@ from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import parse_event_request
 
 from ..errors import LimitExceeded, ServiceUnavailable
+from .client_log import ClientLog, drain
+from .crash_watch import Watch, start_watch
 from .log_health import LogHealth, backoff, position_reset, topic_reset
 from .producer import MAX_RECORD_BYTES, LogProducer
 from .reaper import ReaperMembership
@@ -82,6 +87,8 @@ _RUNS_QUEUED = 2           # split runs waiting for the apply thread (memory: ~2
 _COMMIT_EVERY_S = 1.0
 _METADATA_EVERY_S = 10.0
 _SKIP_LOG_FIRST = 20       # skipped records logged one by one, then every 1000th
+_MISSING_TOPIC_EVERY_S = 1.0      # how often a replica waiting for its topic lists the broker's topics
+_MISSING_TOPIC_LOG_EVERY_S = 60.0  # and how often it says so in the log
 
 
 class _LogReset(Exception):
@@ -128,12 +135,20 @@ class KafkaSource:
         self._committed_next: dict[int, int] = {}
         self._fatal_client_error: Optional[str] = None
         self.error: Optional[str] = None
+        #: Create the topic when missing (--kafka-create-topic); otherwise wait for it, not ready.
+        self.create_topic = bool(getattr(config, "kafka_create_topic", False))
+        #: The topic existed at the last check (appends are refused until it does: see append).
+        self._topic_seen = False
+        self._append_admin: Optional[AdminClient] = None
+        #: librdkafka's log, through Python logging, rate-limited (client_log.py): every client's ``logger``.
+        self.client_log = ClientLog()
+        self._watch: Optional[Watch] = None
         r = metrics.registry
         #: Outages, log resets, the cold start's catch-up: readiness and liveness (log_health.py).
         self.health = LogHealth(r, getattr(config, "on_log_reset", "fail"))
         #: Appends (producer.py): bounded answer time, replaced when it breaks.
         self.producer = LogProducer(self.bootstrap, f"blendmatch-{self.replica_id}",
-                                    float(getattr(config, "kafka_produce_timeout", 5.0)), r)
+                                    float(getattr(config, "kafka_produce_timeout", 5.0)), r, logger=self.client_log)
         self.m_lag = Gauge("blendmatch_kafka_lag_records", "records in the partition not yet applied", ["partition"],
                            registry=r)
         self.m_position = Gauge("blendmatch_kafka_position", "next offset to apply", ["partition"], registry=r)
@@ -148,7 +163,7 @@ class KafkaSource:
                                          "appends answered 503 (broker unreachable or no acknowledgement in time)",
                                          ["kind"], registry=r)
         self.reaper = ReaperMembership(self.bootstrap, self.reaper_group, self.reaper_topic, self.replica_id,
-                                       int(config.kafka_session_timeout_ms), r)
+                                       int(config.kafka_session_timeout_ms), r, logger=self.client_log)
 
     # ------------------------------------------------------------------ checkpoint section
     def snapshot(self) -> dict[str, Any]:
@@ -169,13 +184,24 @@ class KafkaSource:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self._watch = start_watch(os.getpid(), self.replica_id, self.topic, self.bootstrap)
         self._threads.append(self.producer.start(self._guard))
         for target, name in ((self._consume_loop, "blendmatch-kafka"),
-                             (lambda: self.reaper.run(self._stop, self._restored, self._retry),
+                             (lambda: self.reaper.run(self._stop, self._reaper_eligible, self._retry),
                               "blendmatch-kafka-reaper")):
             t = threading.Thread(target=self._guard(target), name=name, daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _reaper_eligible(self) -> bool:
+        """Whether this replica may hold the reaper role (``reaper.py``): restored, following
+        a topic that exists, and nothing against its readiness from the log (not catching
+        up, no log reset, no dead thread). A replica of a missing or misspelled topic never
+        holds it: its registry is not the fleet's."""
+        return self._restored() and self._topic_seen and not self.not_ready_reasons()
+
+    def _admin_client(self) -> AdminClient:
+        return AdminClient({"bootstrap.servers": self.bootstrap, "logger": self.client_log})
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -236,21 +262,68 @@ class KafkaSource:
         for t in self._threads:
             t.join(timeout=15)
         self._threads = []
+        if self._watch is not None:  # last: a crash while the clients close is still reported
+            self._watch.stop()
 
     # ------------------------------------------------------------------ consuming
     def _ensure_topics(self) -> None:
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        md = admin.list_topics(timeout=10)
-        want = [NewTopic(self.reaper_topic, 1, 1)] if self.reaper_topic not in md.topics else []
-        if self.topic not in md.topics:
-            log.warning("topic %s does not exist: creating it with one partition", self.topic)
-            want.append(NewTopic(self.topic, 1, 1))
-        for name, fut in (admin.create_topics(want).items() if want else ()):
-            try:
-                fut.result(10)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise
+        """Create ``<topic>-reaper`` when missing (always: it is this package's own), and
+        the topic itself only with ``--kafka-create-topic``. Every metadata request here
+        lists all topics and never names one: a request naming a missing topic creates it
+        on a broker that auto-creates topics (tansu: with 4 partitions)."""
+        admin = self._admin_client()
+        try:
+            md = admin.list_topics(timeout=10)
+            want = [NewTopic(self.reaper_topic, 1, 1)] if self.reaper_topic not in md.topics else []
+            if self.topic not in md.topics and self.create_topic:
+                log.warning("topic %s does not exist: creating it with one partition (--kafka-create-topic)",
+                            self.topic)
+                want.append(NewTopic(self.topic, 1, 1))
+            for name, fut in (admin.create_topics(want).items() if want else ()):
+                try:
+                    fut.result(10)
+                except KafkaException as exc:
+                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise
+        finally:
+            drain(admin)
+
+    def _topic_exists(self, admin: AdminClient) -> bool:
+        """Whether the broker has the topic (all topics listed: see _ensure_topics).
+        Raises KafkaException on a broker error."""
+        try:
+            return self.topic in admin.list_topics(timeout=10).topics
+        finally:
+            drain(admin)
+
+    def _wait_for_topic(self) -> bool:
+        """Until the topic exists (True) or the source stops (False). Meanwhile ``/readyz``
+        answers 503 naming it (log_health.py), appends answer 503, the reaper role is not
+        taken, and a WARNING says so once a minute: a misspelled ``--kafka-topic`` is
+        loud, and a replica started before its fleet's topic exists follows it once it
+        appears (never created without ``--kafka-create-topic``)."""
+        admin = self._admin_client()
+        said = None
+        while not self._stop.is_set():
+            exists = self._retry("metadata", lambda: self._topic_exists(admin))
+            if exists is None:
+                return False
+            if exists:
+                if self.health.missing_topic is not None:
+                    log.warning("topic %s now exists on the broker: following it", self.topic)
+                self.health.missing_topic = None
+                self._topic_seen = True
+                return True
+            self._topic_seen = False
+            self.health.missing_topic = self.topic
+            now = time.monotonic()
+            if said is None or now - said >= _MISSING_TOPIC_LOG_EVERY_S:
+                said = now
+                log.warning("topic %s does not exist on the broker %s: not ready until it does (is --kafka-topic the "
+                            "MP servers' --coordinator-kafka-topic? --kafka-create-topic creates it)", self.topic,
+                            self.bootstrap)
+            self._stop.wait(_MISSING_TOPIC_EVERY_S)
+        return False
 
     def _list_partitions(self, consumer: Consumer) -> Optional[list[int]]:
         """The topic's partitions; [] while the broker reports an error for it; None when
@@ -322,10 +395,11 @@ class KafkaSource:
         """One consumer from the current positions until the stop (returns) or a log reset
         (raises :class:`_LogReset`, after the records already fetched were applied)."""
         self._retry("create topics", self._ensure_topics)
-        if self._stop.is_set():
+        if self._stop.is_set() or not self._wait_for_topic():
             return
-        self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        self._admin = self._admin_client()
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id, "error_cb": self._on_client_error,
+                             "logger": self.client_log,
                              "client.id": f"blendmatch-{self.replica_id}", "enable.auto.commit": False,
                              "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
                              "fetch.wait.max.ms": 50, "enable.partition.eof": False,
@@ -450,6 +524,7 @@ class KafkaSource:
         changed) or with fewer partitions. Raises KafkaException on a broker error."""
         found = topic_reset(self.topic, partitions, self._partitions)
         if found is not None:
+            self._topic_seen = partitions is not None  # appends refused while it is gone
             self._reset(*found)
         if not partitions or not self._topic_ids:
             return
@@ -464,6 +539,8 @@ class KafkaSource:
                          "shorter than this replica's position")
                 return
             raise
+        finally:
+            drain(self._admin)
         tid = str(desc.topic_id) if desc.topic_id is not None else None
         found = topic_reset(self.topic, partitions, self._partitions, tid, self._topic_id)
         if found is not None:
@@ -596,6 +673,10 @@ class KafkaSource:
         once the broker acknowledged every one. Raises ServiceUnavailable otherwise."""
         if not self.producer.running or self._stop.is_set():
             raise ServiceUnavailable("the Kafka producer is not running")
+        if not self._topic_seen and not await asyncio.get_running_loop().run_in_executor(None, self._appendable):
+            self.m_append_failures.labels(kind).inc()
+            raise ServiceUnavailable(f"topic {self.topic} does not exist on the broker: nothing appended (it is not "
+                                     "created by an append; is --kafka-topic right? --kafka-create-topic creates it)")
         for i, (key, value, _headers) in enumerate(records):
             # Checked before anything is produced: a record the producer refuses half-way
             # through would leave the batches before it appended and the request failed.
@@ -610,6 +691,17 @@ class KafkaSource:
             raise
         self.m_published.labels(kind).inc(len(positions))
         return positions
+
+    def _appendable(self) -> bool:
+        """Whether the topic exists, asked before the first append (the fetch thread may not
+        have looked yet): a producer naming a missing topic would create it on a broker that
+        auto-creates topics. False also when the broker cannot say."""
+        if self._append_admin is None:
+            self._append_admin = self._admin_client()
+        try:
+            return self._topic_exists(self._append_admin)
+        except KafkaException:
+            return False
 
     @staticmethod
     def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
@@ -650,7 +742,7 @@ class KafkaSource:
     async def reap_once(self) -> list[str]:
         """The reaper sweep in Kafka mode: only the role holder acts, and only by appending
         expiry fences (every replica, this one included, applies them from the log)."""
-        if not self.reaper.holds:
+        if not self.reaper.holds or not self._reaper_eligible():  # (it is leaving the group)
             return []
         fenced = []
         for iid, _last in self._registry.stale(time.time()):
