@@ -94,7 +94,7 @@ def test_a_misspelled_topic_is_not_created_and_the_replica_is_not_ready(broker, 
         appended = bad.client.post("/events", json={"batches": [store("mp-b", 1, chunks(1, seed=5), first_hash=5)]})
         assert appended.status_code == 503 and typo in appended.json()["detail"], appended.text
         time.sleep(3)  # the reaper thread, metadata refreshes and the append had their chance to create it
-        assert typo not in _topics(broker.bootstrap)
+        assert typo not in _topics(broker.bootstrap) and f"{typo}-reaper" not in _topics(broker.bootstrap)
         assert _ready(bad)[0] == 503
         assert not bad.log_stats()["reaper_role"] and good.log_stats()["reaper_role"]
         log = bad.tail()

@@ -267,18 +267,21 @@ class KafkaSource:
 
     # ------------------------------------------------------------------ consuming
     def _ensure_topics(self) -> None:
-        """Create ``<topic>-reaper`` when missing (always: it is this package's own), and
-        the topic itself only with ``--kafka-create-topic``. Every metadata request here
-        lists all topics and never names one: a request naming a missing topic creates it
-        on a broker that auto-creates topics (tansu: with 4 partitions)."""
+        """Create the topic when missing only with ``--kafka-create-topic``, and
+        ``<topic>-reaper`` when missing once the topic exists (it is this package's own; a
+        misspelled topic leaves no reaper topic behind). Every metadata request here lists
+        all topics and never names one: a request naming a missing topic creates it on a
+        broker that auto-creates topics (tansu: with 4 partitions)."""
         admin = self._admin_client()
         try:
             md = admin.list_topics(timeout=10)
-            want = [NewTopic(self.reaper_topic, 1, 1)] if self.reaper_topic not in md.topics else []
+            want = []
             if self.topic not in md.topics and self.create_topic:
                 log.warning("topic %s does not exist: creating it with one partition (--kafka-create-topic)",
                             self.topic)
                 want.append(NewTopic(self.topic, 1, 1))
+            if self.reaper_topic not in md.topics and (self.topic in md.topics or want):
+                want.append(NewTopic(self.reaper_topic, 1, 1))
             for name, fut in (admin.create_topics(want).items() if want else ()):
                 try:
                     fut.result(10)
@@ -396,6 +399,9 @@ class KafkaSource:
         (raises :class:`_LogReset`, after the records already fetched were applied)."""
         self._retry("create topics", self._ensure_topics)
         if self._stop.is_set() or not self._wait_for_topic():
+            return
+        self._retry("create topics", self._ensure_topics)  # the reaper topic, if the topic appeared meanwhile
+        if self._stop.is_set():
             return
         self._admin = self._admin_client()
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id, "error_cb": self._on_client_error,
