@@ -291,11 +291,11 @@ class KafkaSource:
         finally:
             drain(admin)
 
-    def _topic_exists(self, admin: AdminClient) -> bool:
+    def _topic_exists(self, admin: AdminClient, timeout: float = 10.0) -> bool:
         """Whether the broker has the topic (all topics listed: see _ensure_topics).
         Raises KafkaException on a broker error."""
         try:
-            return self.topic in admin.list_topics(timeout=10).topics
+            return self.topic in admin.list_topics(timeout=timeout).topics
         finally:
             drain(admin)
 
@@ -679,10 +679,10 @@ class KafkaSource:
         once the broker acknowledged every one. Raises ServiceUnavailable otherwise."""
         if not self.producer.running or self._stop.is_set():
             raise ServiceUnavailable("the Kafka producer is not running")
-        if not self._topic_seen and not await asyncio.get_running_loop().run_in_executor(None, self._appendable):
+        refused = None if self._topic_seen else await asyncio.get_running_loop().run_in_executor(None, self._appendable)
+        if refused is not None:
             self.m_append_failures.labels(kind).inc()
-            raise ServiceUnavailable(f"topic {self.topic} does not exist on the broker: nothing appended (it is not "
-                                     "created by an append; is --kafka-topic right? --kafka-create-topic creates it)")
+            raise ServiceUnavailable(refused)
         for i, (key, value, _headers) in enumerate(records):
             # Checked before anything is produced: a record the producer refuses half-way
             # through would leave the batches before it appended and the request failed.
@@ -698,16 +698,21 @@ class KafkaSource:
         self.m_published.labels(kind).inc(len(positions))
         return positions
 
-    def _appendable(self) -> bool:
-        """Whether the topic exists, asked before the first append (the fetch thread may not
-        have looked yet): a producer naming a missing topic would create it on a broker that
-        auto-creates topics. False also when the broker cannot say."""
+    def _appendable(self) -> Optional[str]:
+        """Why an append must be refused (None: the topic exists), asked before the first
+        append (the fetch thread may not have looked yet): a producer naming a missing topic
+        would create it on a broker that auto-creates topics. Within the append's bound
+        (--kafka-produce-timeout)."""
         if self._append_admin is None:
             self._append_admin = self._admin_client()
         try:
-            return self._topic_exists(self._append_admin)
-        except KafkaException:
-            return False
+            if self._topic_exists(self._append_admin, self.producer.timeout_s):
+                return None
+        except KafkaException as exc:
+            return (f"could not check within {self.producer.timeout_s:g} s (--kafka-produce-timeout) that topic "
+                    f"{self.topic} exists: the broker may be unreachable ({exc}); nothing appended, resending is safe")
+        return (f"topic {self.topic} does not exist on the broker: nothing appended (it is not created by an append; "
+                "is --kafka-topic right? --kafka-create-topic creates it)")
 
     @staticmethod
     def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
