@@ -85,7 +85,7 @@ def test_a_misspelled_topic_is_not_created_and_the_replica_is_not_ready(broker, 
     try:
         good.wait_up()
         good.wait_position(end_offsets(positions))
-        wait_for(lambda: good.log_stats()["reaper_role"], 30, "the replica of the real topic to hold the reaper role")
+        wait_for(lambda: good.log_stats()["reaper_role"], 60, "the replica of the real topic to hold the reaper role")
         bad.wait_up()
         status, reasons = wait_for(lambda: (got := _ready(bad))[0] == 503 and any(typo in x for x in got[1]) and got,
                                    30, "/readyz 503 naming the missing topic")
@@ -98,11 +98,12 @@ def test_a_misspelled_topic_is_not_created_and_the_replica_is_not_ready(broker, 
         assert _ready(bad)[0] == 503
         assert not bad.log_stats()["reaper_role"] and good.log_stats()["reaper_role"]
         log = bad.tail()
-        assert "creating it" not in log and log.count(f"topic {typo} does not exist on the broker {broker.bootstrap}") == 1, log
+        said = log.count(f"topic {typo} does not exist on the broker {broker.bootstrap}")
+        assert "creating it" not in log and 1 <= said <= 2, log  # once a minute (a loaded machine may take one)
 
         create_topic_named(broker.bootstrap, typo)  # a fleet whose topic appears after its replica started
         more = _produce(broker.bootstrap, typo, 3, seed=2)
-        wait_for(lambda: _ready(bad)[0] == 200, 30, "ready once the topic exists")
+        wait_for(lambda: _ready(bad)[0] == 200, 60, "ready once the topic exists")
         bad.wait_position(end_offsets(more))
         assert bad.client.get("/directory/stats").json()["num_keys"] == 3
     finally:
