@@ -39,7 +39,7 @@ partitions) is never skipped silently: ``--on-log-reset`` fails (not ready, not 
 rebuilds the state from the new log. A replica started without a checkpoint is ready only
 once at the log's end as first seen.
 
-The reaper role: ``reaper.py``. The topic (missing, created only on request): :meth:`KafkaSource._wait_for_topic`.
+The reaper role: ``reaper.py``. A missing topic (never created unless asked): ``topics.py``.
 librdkafka's log: ``client_log.py``. A native crash of librdkafka (it can end the process
 with SIGSEGV, no handler running): ``crash_watch.py`` leaves a line naming the topic.
 
@@ -58,7 +58,7 @@ import time
 from typing import Any, Callable, Optional
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollection, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter, Gauge
 
 from blendmatch.index.key_directory import KeyDirectory
@@ -71,6 +71,7 @@ from .client_log import ClientLog, drain
 from .crash_watch import Watch, start_watch
 from .log_health import LogHealth, backoff, position_reset, topic_reset
 from .producer import MAX_RECORD_BYTES, LogProducer
+from .topics import TopicPresence
 from .reaper import ReaperMembership
 from .control import apply_control
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
@@ -87,8 +88,6 @@ _RUNS_QUEUED = 2           # split runs waiting for the apply thread (memory: ~2
 _COMMIT_EVERY_S = 1.0
 _METADATA_EVERY_S = 10.0
 _SKIP_LOG_FIRST = 20       # skipped records logged one by one, then every 1000th
-_MISSING_TOPIC_EVERY_S = 1.0      # how often a replica waiting for its topic lists the broker's topics
-_MISSING_TOPIC_LOG_EVERY_S = 60.0  # and how often it says so in the log
 
 
 class _LogReset(Exception):
@@ -135,17 +134,15 @@ class KafkaSource:
         self._committed_next: dict[int, int] = {}
         self._fatal_client_error: Optional[str] = None
         self.error: Optional[str] = None
-        #: Create the topic when missing (--kafka-create-topic); otherwise wait for it, not ready.
-        self.create_topic = bool(getattr(config, "kafka_create_topic", False))
-        #: The topic existed at the last check (appends are refused until it does: see append).
-        self._topic_seen = False
-        self._append_admin: Optional[AdminClient] = None
         #: librdkafka's log, through Python logging, rate-limited (client_log.py): every client's ``logger``.
         self.client_log = ClientLog()
         self._watch: Optional[Watch] = None
         r = metrics.registry
         #: Outages, log resets, the cold start's catch-up: readiness and liveness (log_health.py).
         self.health = LogHealth(r, getattr(config, "on_log_reset", "fail"))
+        #: Does the topic exist; created only with --kafka-create-topic (topics.py).
+        self.topics = TopicPresence(self.topic, self.reaper_topic, self.bootstrap,
+                                    bool(getattr(config, "kafka_create_topic", False)), self.health, self._admin_client)
         #: Appends (producer.py): bounded answer time, replaced when it breaks.
         self.producer = LogProducer(self.bootstrap, f"blendmatch-{self.replica_id}",
                                     float(getattr(config, "kafka_produce_timeout", 5.0)), r, logger=self.client_log)
@@ -198,7 +195,7 @@ class KafkaSource:
         a topic that exists, and nothing against its readiness from the log (not catching
         up, no log reset, no dead thread). A replica of a missing or misspelled topic never
         holds it: its registry is not the fleet's."""
-        return self._restored() and self._topic_seen and not self.not_ready_reasons()
+        return self._restored() and self.topics.seen and not self.not_ready_reasons()
 
     def _admin_client(self) -> AdminClient:
         return AdminClient({"bootstrap.servers": self.bootstrap, "logger": self.client_log})
@@ -266,68 +263,6 @@ class KafkaSource:
             self._watch.stop()
 
     # ------------------------------------------------------------------ consuming
-    def _ensure_topics(self) -> None:
-        """Create the topic when missing only with ``--kafka-create-topic``, and
-        ``<topic>-reaper`` when missing once the topic exists (it is this package's own; a
-        misspelled topic leaves no reaper topic behind). Every metadata request here lists
-        all topics and never names one: a request naming a missing topic creates it on a
-        broker that auto-creates topics (tansu: with 4 partitions)."""
-        admin = self._admin_client()
-        try:
-            md = admin.list_topics(timeout=10)
-            want = []
-            if self.topic not in md.topics and self.create_topic:
-                log.warning("topic %s does not exist: creating it with one partition (--kafka-create-topic)",
-                            self.topic)
-                want.append(NewTopic(self.topic, 1, 1))
-            if self.reaper_topic not in md.topics and (self.topic in md.topics or want):
-                want.append(NewTopic(self.reaper_topic, 1, 1))
-            for name, fut in (admin.create_topics(want).items() if want else ()):
-                try:
-                    fut.result(10)
-                except KafkaException as exc:
-                    if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                        raise
-        finally:
-            drain(admin)
-
-    def _topic_exists(self, admin: AdminClient, timeout: float = 10.0) -> bool:
-        """Whether the broker has the topic (all topics listed: see _ensure_topics).
-        Raises KafkaException on a broker error."""
-        try:
-            return self.topic in admin.list_topics(timeout=timeout).topics
-        finally:
-            drain(admin)
-
-    def _wait_for_topic(self) -> bool:
-        """Until the topic exists (True) or the source stops (False). Meanwhile ``/readyz``
-        answers 503 naming it (log_health.py), appends answer 503, the reaper role is not
-        taken, and a WARNING says so once a minute: a misspelled ``--kafka-topic`` is
-        loud, and a replica started before its fleet's topic exists follows it once it
-        appears (never created without ``--kafka-create-topic``)."""
-        admin = self._admin_client()
-        said = None
-        while not self._stop.is_set():
-            exists = self._retry("metadata", lambda: self._topic_exists(admin))
-            if exists is None:
-                return False
-            if exists:
-                if self.health.missing_topic is not None:
-                    log.warning("topic %s now exists on the broker: following it", self.topic)
-                self.health.missing_topic = None
-                self._topic_seen = True
-                return True
-            self._topic_seen = False
-            self.health.missing_topic = self.topic
-            now = time.monotonic()
-            if said is None or now - said >= _MISSING_TOPIC_LOG_EVERY_S:
-                said = now
-                log.warning("topic %s does not exist on the broker %s: not ready until it does (is --kafka-topic the "
-                            "MP servers' --coordinator-kafka-topic? --kafka-create-topic creates it)", self.topic,
-                            self.bootstrap)
-            self._stop.wait(_MISSING_TOPIC_EVERY_S)
-        return False
-
     def _list_partitions(self, consumer: Consumer) -> Optional[list[int]]:
         """The topic's partitions; [] while the broker reports an error for it; None when
         the topic does not exist."""
@@ -397,10 +332,10 @@ class KafkaSource:
     def _follow(self) -> None:
         """One consumer from the current positions until the stop (returns) or a log reset
         (raises :class:`_LogReset`, after the records already fetched were applied)."""
-        self._retry("create topics", self._ensure_topics)
-        if self._stop.is_set() or not self._wait_for_topic():
+        self._retry("create topics", self.topics.ensure)
+        if self._stop.is_set() or not self.topics.wait(self._stop, self._retry):
             return
-        self._retry("create topics", self._ensure_topics)  # the reaper topic, if the topic appeared meanwhile
+        self._retry("create topics", self.topics.ensure)  # the reaper topic, if the topic appeared meanwhile
         if self._stop.is_set():
             return
         self._admin = self._admin_client()
@@ -530,7 +465,7 @@ class KafkaSource:
         changed) or with fewer partitions. Raises KafkaException on a broker error."""
         found = topic_reset(self.topic, partitions, self._partitions)
         if found is not None:
-            self._topic_seen = partitions is not None  # appends refused while it is gone
+            self.topics.seen = partitions is not None  # appends refused while it is gone
             self._reset(*found)
         if not partitions or not self._topic_ids:
             return
@@ -679,7 +614,8 @@ class KafkaSource:
         once the broker acknowledged every one. Raises ServiceUnavailable otherwise."""
         if not self.producer.running or self._stop.is_set():
             raise ServiceUnavailable("the Kafka producer is not running")
-        refused = None if self._topic_seen else await asyncio.get_running_loop().run_in_executor(None, self._appendable)
+        refused = None if self.topics.seen else await asyncio.get_running_loop().run_in_executor(
+            None, self.topics.append_refusal, self.producer.timeout_s)
         if refused is not None:
             self.m_append_failures.labels(kind).inc()
             raise ServiceUnavailable(refused)
@@ -697,22 +633,6 @@ class KafkaSource:
             raise
         self.m_published.labels(kind).inc(len(positions))
         return positions
-
-    def _appendable(self) -> Optional[str]:
-        """Why an append must be refused (None: the topic exists), asked before the first
-        append (the fetch thread may not have looked yet): a producer naming a missing topic
-        would create it on a broker that auto-creates topics. Within the append's bound
-        (--kafka-produce-timeout)."""
-        if self._append_admin is None:
-            self._append_admin = self._admin_client()
-        try:
-            if self._topic_exists(self._append_admin, self.producer.timeout_s):
-                return None
-        except KafkaException as exc:
-            return (f"could not check within {self.producer.timeout_s:g} s (--kafka-produce-timeout) that topic "
-                    f"{self.topic} exists: the broker may be unreachable ({exc}); nothing appended, resending is safe")
-        return (f"topic {self.topic} does not exist on the broker: nothing appended (it is not created by an append; "
-                "is --kafka-topic right? --kafka-create-topic creates it)")
 
     @staticmethod
     def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
