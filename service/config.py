@@ -264,6 +264,10 @@ class ServiceConfig(BaseModel):
         "recreated, offsets rewound, fewer partitions): fail = stop following the log, /readyz and /healthz 503 "
         "with the reason, until an operator acts; resync = forget the index and registry and rebuild them from the "
         "new log's start (not ready meanwhile)", json_schema_extra={"group": _FLEET})
+    kafka_create_topic: bool = Field(
+        default=False, description="create --kafka-topic (one partition) when the broker does not have it; without "
+        "this a missing topic is never created: /readyz answers 503 naming it, and appends 503, until it appears",
+        json_schema_extra={"group": _FLEET})
 
     # issue 25: the admitted stream republished as vLLM KV events (service/publish/,
     # docs/kv-events.md); vLLM's KVEventsConfig names and defaults

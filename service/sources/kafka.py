@@ -39,7 +39,9 @@ partitions) is never skipped silently: ``--on-log-reset`` fails (not ready, not 
 rebuilds the state from the new log. A replica started without a checkpoint is ready only
 once at the log's end as first seen.
 
-The reaper role: ``reaper.py``.
+The reaper role: ``reaper.py``. A missing topic (never created unless asked): ``topics.py``.
+librdkafka's log: ``client_log.py``. A native crash of librdkafka (it can end the process
+with SIGSEGV, no handler running): ``crash_watch.py`` leaves a line naming the topic.
 
 ``confluent_kafka`` is imported when this module is, and this module only in Kafka mode.
 """
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import socket
 import threading
@@ -55,7 +58,7 @@ import time
 from typing import Any, Callable, Optional
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicCollection, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter, Gauge
 
 from blendmatch.index.key_directory import KeyDirectory
@@ -64,8 +67,11 @@ from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.wire import parse_event_request
 
 from ..errors import LimitExceeded, ServiceUnavailable, TooManyInstances
+from .client_log import ClientLog, drain
+from .crash_watch import Watch, start_watch
 from .log_health import LogHealth, backoff, position_reset, topic_reset
 from .producer import MAX_RECORD_BYTES, LogProducer
+from .topics import TopicPresence
 from .reaper import ReaperMembership
 from .control import apply_control
 from .instance_bound import apply_within_bound
@@ -129,12 +135,18 @@ class KafkaSource:
         self._committed_next: dict[int, int] = {}
         self._fatal_client_error: Optional[str] = None
         self.error: Optional[str] = None
+        #: librdkafka's log, through Python logging, rate-limited (client_log.py): every client's ``logger``.
+        self.client_log = ClientLog()
+        self._watch: Optional[Watch] = None
         r = metrics.registry
         #: Outages, log resets, the cold start's catch-up: readiness and liveness (log_health.py).
         self.health = LogHealth(r, getattr(config, "on_log_reset", "fail"))
+        #: Does the topic exist; created only with --kafka-create-topic (topics.py).
+        self.topics = TopicPresence(self.topic, self.reaper_topic, self.bootstrap,
+                                    bool(getattr(config, "kafka_create_topic", False)), self.health, self._admin_client)
         #: Appends (producer.py): bounded answer time, replaced when it breaks.
         self.producer = LogProducer(self.bootstrap, f"blendmatch-{self.replica_id}",
-                                    float(getattr(config, "kafka_produce_timeout", 5.0)), r)
+                                    float(getattr(config, "kafka_produce_timeout", 5.0)), r, logger=self.client_log)
         self.m_lag = Gauge("blendmatch_kafka_lag_records", "records in the partition not yet applied", ["partition"],
                            registry=r)
         self.m_position = Gauge("blendmatch_kafka_position", "next offset to apply", ["partition"], registry=r)
@@ -150,7 +162,7 @@ class KafkaSource:
                                          "appends answered 503 (broker unreachable or no acknowledgement in time)",
                                          ["kind"], registry=r)
         self.reaper = ReaperMembership(self.bootstrap, self.reaper_group, self.reaper_topic, self.replica_id,
-                                       int(config.kafka_session_timeout_ms), r)
+                                       int(config.kafka_session_timeout_ms), r, logger=self.client_log)
 
     # ------------------------------------------------------------------ checkpoint section
     def snapshot(self) -> dict[str, Any]:
@@ -171,13 +183,24 @@ class KafkaSource:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self._watch = start_watch(os.getpid(), self.replica_id, self.topic, self.bootstrap)
         self._threads.append(self.producer.start(self._guard))
         for target, name in ((self._consume_loop, "blendmatch-kafka"),
-                             (lambda: self.reaper.run(self._stop, self._restored, self._retry),
+                             (lambda: self.reaper.run(self._stop, self._reaper_eligible, self._retry),
                               "blendmatch-kafka-reaper")):
             t = threading.Thread(target=self._guard(target), name=name, daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _reaper_eligible(self) -> bool:
+        """Whether this replica may hold the reaper role (``reaper.py``): restored, following
+        a topic that exists, and nothing against its readiness from the log (not catching
+        up, no log reset, no dead thread). A replica of a missing or misspelled topic never
+        holds it: its registry is not the fleet's."""
+        return self._restored() and self.topics.seen and not self.not_ready_reasons()
+
+    def _admin_client(self) -> AdminClient:
+        return AdminClient({"bootstrap.servers": self.bootstrap, "logger": self.client_log})
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -238,22 +261,10 @@ class KafkaSource:
         for t in self._threads:
             t.join(timeout=15)
         self._threads = []
+        if self._watch is not None:  # last: a crash while the clients close is still reported
+            self._watch.stop()
 
     # ------------------------------------------------------------------ consuming
-    def _ensure_topics(self) -> None:
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        md = admin.list_topics(timeout=10)
-        want = [NewTopic(self.reaper_topic, 1, 1)] if self.reaper_topic not in md.topics else []
-        if self.topic not in md.topics:
-            log.warning("topic %s does not exist: creating it with one partition", self.topic)
-            want.append(NewTopic(self.topic, 1, 1))
-        for name, fut in (admin.create_topics(want).items() if want else ()):
-            try:
-                fut.result(10)
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise
-
     def _list_partitions(self, consumer: Consumer) -> Optional[list[int]]:
         """The topic's partitions; [] while the broker reports an error for it; None when
         the topic does not exist."""
@@ -323,11 +334,15 @@ class KafkaSource:
     def _follow(self) -> None:
         """One consumer from the current positions until the stop (returns) or a log reset
         (raises :class:`_LogReset`, after the records already fetched were applied)."""
-        self._retry("create topics", self._ensure_topics)
+        self._retry("create topics", self.topics.ensure)
+        if self._stop.is_set() or not self.topics.wait(self._stop, self._retry):
+            return
+        self._retry("create topics", self.topics.ensure)  # the reaper topic, if the topic appeared meanwhile
         if self._stop.is_set():
             return
-        self._admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        self._admin = self._admin_client()
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group_id, "error_cb": self._on_client_error,
+                             "logger": self.client_log,
                              "client.id": f"blendmatch-{self.replica_id}", "enable.auto.commit": False,
                              "enable.auto.offset.store": False, "auto.offset.reset": "earliest",
                              "fetch.wait.max.ms": 50, "enable.partition.eof": False,
@@ -452,6 +467,7 @@ class KafkaSource:
         changed) or with fewer partitions. Raises KafkaException on a broker error."""
         found = topic_reset(self.topic, partitions, self._partitions)
         if found is not None:
+            self.topics.seen = partitions is not None  # appends refused while it is gone
             self._reset(*found)
         if not partitions or not self._topic_ids:
             return
@@ -466,6 +482,8 @@ class KafkaSource:
                          "shorter than this replica's position")
                 return
             raise
+        finally:
+            drain(self._admin)
         tid = str(desc.topic_id) if desc.topic_id is not None else None
         found = topic_reset(self.topic, partitions, self._partitions, tid, self._topic_id)
         if found is not None:
@@ -603,6 +621,11 @@ class KafkaSource:
         once the broker acknowledged every one. Raises ServiceUnavailable otherwise."""
         if not self.producer.running or self._stop.is_set():
             raise ServiceUnavailable("the Kafka producer is not running")
+        refused = None if self.topics.seen else await asyncio.get_running_loop().run_in_executor(
+            None, self.topics.append_refusal, self.producer.timeout_s)
+        if refused is not None:
+            self.m_append_failures.labels(kind).inc()
+            raise ServiceUnavailable(refused)
         for i, (key, value, _headers) in enumerate(records):
             # Checked before anything is produced: a record the producer refuses half-way
             # through would leave the batches before it appended and the request failed.
@@ -657,7 +680,7 @@ class KafkaSource:
     async def reap_once(self) -> list[str]:
         """The reaper sweep in Kafka mode: only the role holder acts, and only by appending
         expiry fences (every replica, this one included, applies them from the log)."""
-        if not self.reaper.holds:
+        if not self.reaper.holds or not self._reaper_eligible():  # (it is leaving the group)
             return []
         fenced = []
         for iid, _last in self._registry.stale(time.time()):

@@ -21,6 +21,10 @@ out of rotation (not ready) or restarted (not live)?" The rules, one place each:
 - **Cold start** (no checkpoint restored): not ready until every partition reached the high
   watermark first seen at start, whatever ``--max-ready-lag`` allows: a replica without
   its peers' answers must not be routed to.
+- **A topic that does not exist** (a misspelled ``--kafka-topic``, or a fleet whose topic
+  is not created yet): not ready, naming the topic, until it appears; never created unless
+  ``--kafka-create-topic`` asks for it (``kafka.py``). Live meanwhile: a restart would not
+  make it appear.
 - **A thread that died** (a bug, a fatal client error): not live, with the reason, so that
   an orchestrator restarts the process.
 """
@@ -95,6 +99,8 @@ class LogHealth:
         self.catch_up: Optional[dict[int, int]] = None
         #: Why a thread of the source died (None: all running).
         self.dead: Optional[str] = None
+        #: The topic while the broker does not have it (None: it exists, or not checked yet).
+        self.missing_topic: Optional[str] = None
         self.m_errors = Counter("blendmatch_kafka_broker_errors", "transient broker errors, retried", ["op"],
                                 registry=registry)
         self.m_reconnects = Counter("blendmatch_kafka_reconnects", "broker reachable again after failures",
@@ -149,6 +155,9 @@ class LogHealth:
         out = []
         if self.dead is not None:
             out.append(f"event log source stopped: {self.dead}")
+        if self.missing_topic is not None:
+            out.append(f"topic {self.missing_topic} does not exist on the broker: waiting for it (is --kafka-topic "
+                       "the MP servers' --coordinator-kafka-topic? --kafka-create-topic creates it)")
         if self.reset is not None:
             what = ("rebuilding from the new log's start (--on-log-reset resync)" if self.on_reset == "resync" else
                     "not following it (--on-log-reset fail): restart it with --on-log-reset resync, or with a new "

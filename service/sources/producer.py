@@ -51,8 +51,10 @@ _RENEW_ON = {KafkaError.UNKNOWN_PRODUCER_ID, KafkaError.OUT_OF_ORDER_SEQUENCE_NU
 class LogProducer:
     """One per source. ``append`` runs on the event loop; a thread polls the producer."""
 
-    def __init__(self, bootstrap: str, client_id: str, timeout_s: float, registry: Any) -> None:
+    def __init__(self, bootstrap: str, client_id: str, timeout_s: float, registry: Any,
+                 logger: Optional[Any] = None) -> None:
         self.bootstrap, self.client_id, self.timeout_s = bootstrap, client_id, timeout_s
+        self.logger = logger  # librdkafka's log (client_log.py); None: librdkafka prints it to stderr
         self._producer: Optional[Producer] = None
         self._renew: Optional[str] = None      # why the poll thread should replace the producer
         self._renewed_at = 0.0
@@ -63,10 +65,13 @@ class LogProducer:
                                   ["reason"], registry=registry)
 
     def _make(self) -> Producer:
-        return Producer({"bootstrap.servers": self.bootstrap, "client.id": self.client_id,
-                         "enable.idempotence": True, "acks": "all", "linger.ms": 1,
-                         "message.timeout.ms": max(1, int(self.timeout_s * 1000)),
-                         "message.max.bytes": MAX_RECORD_BYTES, "error_cb": self._on_error})
+        conf = {"bootstrap.servers": self.bootstrap, "client.id": self.client_id,
+                "enable.idempotence": True, "acks": "all", "linger.ms": 1,
+                "message.timeout.ms": max(1, int(self.timeout_s * 1000)),
+                "message.max.bytes": MAX_RECORD_BYTES, "error_cb": self._on_error}
+        if self.logger is not None:
+            conf["logger"] = self.logger
+        return Producer(conf)
 
     def start(self, guard: Callable[[Callable[[], None]], Callable[[], None]]) -> threading.Thread:
         self._producer = self._make()
