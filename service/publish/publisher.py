@@ -331,6 +331,8 @@ class KVEventsPublisher:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        import zmq
+
         get = self._queue.get
         while self._running or not self._queue.empty():
             busy = False
@@ -340,7 +342,11 @@ class KVEventsPublisher:
                 except Exception:  # noqa: BLE001 - the thread must outlive any one request
                     self.counters["send_errors"] += 1
                     log.exception("kv-events: a replay could not be served")
-            self._live.reap()
+            if len(self._live):
+                # libzmq frees a departed subscriber's queue when the socket processes its
+                # commands, which it does only when called: ask it for its events
+                self._pub.getsockopt(zmq.EVENTS)
+                self._live.reap()
             try:
                 item = get(block=not busy, timeout=0.02)
             except queue.Empty:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -103,21 +104,36 @@ class ReplayRing:
 
 
 class InFlight:
-    """Bytes handed to libzmq (zero-copy, tracked) that it has not let go of yet."""
+    """Bytes handed to libzmq (zero-copy, tracked) that it has not let go of yet.
+
+    Frames are mostly let go of in send order (a ROUTER's pipe is FIFO), so :meth:`reap`
+    pops finished ones from the front; a PUB socket lets go of the *newer* messages first
+    when a stalled subscriber keeps the older ones, so every :data:`SCAN_S` the whole list
+    is scanned too (at most a few thousand trackers: the high-water marks bound them)."""
+
+    SCAN_S = 0.05
 
     def __init__(self) -> None:
         self._sent: deque[tuple[Any, int]] = deque()
         self.bytes = 0
+        self._scanned = 0.0
 
     def add(self, tracker: Any, nbytes: int) -> None:
         self._sent.append((tracker, nbytes))
         self.bytes += nbytes
 
     def reap(self) -> int:
-        """Forget what libzmq let go of (in send order: a pipe is FIFO); the bytes freed."""
+        """Forget what libzmq let go of; the bytes freed."""
         sent, freed = self._sent, 0
         while sent and sent[0][0].done:
             freed += sent.popleft()[1]
+        if sent and len(sent) > 1:
+            now = time.monotonic()
+            if now - self._scanned >= self.SCAN_S:
+                self._scanned = now
+                kept = deque(e for e in sent if not e[0].done)
+                freed += sum(n for _, n in sent) - sum(n for _, n in kept)
+                self._sent = kept
         self.bytes -= freed
         return freed
 
