@@ -45,7 +45,9 @@ transport and logged an ERROR traceback per connection).
 Each refusal is counted in ``blendmatch_http_limit_rejections_total{limit}`` (and in
 ``blendmatch_http_rejected_total{status}`` through ``on_reject``), and logged at WARNING at
 most once per :data:`LOG_INTERVAL_S` per limit, with the number of refusals since the last
-line. Gauges: ``blendmatch_http_connections`` and ``blendmatch_http_bytes_in_flight``.
+line. A client that went away before the lookup lane's answer (``lane.py``) is logged the
+same way, at INFO (:meth:`HttpLimits.client_gone`). Gauges: ``blendmatch_http_connections``
+and ``blendmatch_http_bytes_in_flight``.
 
 Time limits are checked by one timer per server (every quarter of the smaller timeout, at
 most once a second), not by a timer per request: the hot path pays a few attribute writes.
@@ -95,7 +97,7 @@ class _RateLimitedLog:
         self._last: dict[str, float] = {}
         self._quiet: dict[str, int] = {}
 
-    def warn(self, kind: str, message: str, *args: Any) -> None:
+    def warn(self, kind: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
         now = time.monotonic()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval:
@@ -104,7 +106,7 @@ class _RateLimitedLog:
         self._last[kind] = now
         quiet = self._quiet.pop(kind, 0)
         suffix = f" ({quiet} more since the last such line)" if quiet else ""
-        log.warning(message + "%s", *args, suffix)
+        log.log(level, message + "%s", *args, suffix)
 
 
 def _answer(status: int, detail: str) -> bytes:
@@ -173,6 +175,13 @@ class HttpLimits:
         if status is not None and self._on_reject is not None:
             self._on_reject(status)
         self._log.warn(kind, "%s: " + message, _peer(peer), *args)
+
+    def client_gone(self, peer: Any) -> None:
+        """A request's client went away before its answer (the lookup lane's lookups): the
+        answer is dropped. The network's doing, not an error: logged at INFO, at most once
+        per :data:`LOG_INTERVAL_S`, and never with a traceback."""
+        self._log.warn("client_gone", "%s: client went away before its answer: dropped", _peer(peer),
+                       level=logging.INFO)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is None:
