@@ -29,11 +29,12 @@ from service_support import b64, config, served
 class Served:
     """The app under uvicorn with ``HttpLimits`` from ``cfg`` (as ``blendmatch serve`` runs it;
     ``cli_uvicorn``: also uvicorn's other settings as the CLI gives them, no proxy headers and
-    no access log, under which the lookup lane runs: ``tests/test_lane.py``)."""
+    no access log, under which the lookup lane runs: ``tests/test_lane.py``; ``fast_path``:
+    ``create_app``'s)."""
 
-    def __init__(self, *, cli_uvicorn: bool = False, **overrides: Any) -> None:
+    def __init__(self, *, cli_uvicorn: bool = False, fast_path: bool = True, **overrides: Any) -> None:
         self.cfg = config(**overrides)
-        self.app = app = create_app(self.cfg)
+        self.app = app = create_app(self.cfg, fast_path=fast_path)
         metrics = app.state.blendmatch_context.metrics
         self.limits = HttpLimits.from_config(self.cfg, registry=metrics.registry,
                                              on_reject=lambda status: metrics.rejected.labels(str(status)).inc())

@@ -409,3 +409,34 @@ def test_abandoned_lookups_log_one_line_and_no_traceback(lane_calls, monkeypatch
     gone = [r for r in caplog.records if "before its answer" in r.getMessage()]
     assert len(gone) == 1, [r.getMessage() for r in caplog.records]
     assert gone[0].levelno == logging.INFO and gone[0].name == "blendmatch.service.limits"
+
+
+@pytest.mark.parametrize("types", [(b"text/plain", b"application/json"), (b"application/json", b"text/plain"),
+                                   (b"application/json", b"application/json")])
+def test_two_content_types_get_one_answer_on_every_path(lane_calls, types):
+    """A lookup with ``Content-Type`` given twice is refused alike (400) whichever path it
+    takes: the lane's entry, the fast path (a query string), the routes (a chunked body, or
+    the fast path off). The lane and the fast path took the last value and the framework the
+    first, so one request got 200 or 415 by its framing."""
+    body = lookup(np.arange(20, dtype=np.uint32))
+    head = b"".join(b"Content-Type: %s\r\n" % t for t in types)
+
+    def sized(path: bytes) -> bytes:
+        return b"POST %s HTTP/1.1\r\nHost: t\r\n%sContent-Length: %d\r\n\r\n%s" % (path, head, len(body), body)
+
+    def chunked(path: bytes) -> bytes:
+        return (b"POST %s HTTP/1.1\r\nHost: t\r\n%sTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                % (path, head, len(body), body))
+
+    answers: dict[str, bytes] = {}
+    for fast in (True, False):
+        with Served(fast_path=fast) as srv:
+            for name, raw in (("lane", sized(LANE)), ("fast path", sized(APP)), ("chunked", chunked(LANE))):
+                with srv.connect() as s:
+                    s.sendall(raw)
+                    answers[f"{name}, fast path {'on' if fast else 'off'}"] = undated(read_response(s))
+    first = next(iter(answers.values()))
+    assert first.startswith(b"HTTP/1.1 400 "), first
+    assert b"Content-Type" in first.partition(b"\r\n\r\n")[2]
+    assert {k: v for k, v in answers.items() if v != first} == {}
+    assert lane_calls["taken"] == 0
