@@ -75,7 +75,7 @@ from .lane import Lane, LaneCycle
 from .lane import finish as lane_finish
 from .lane import start as lane_start
 
-__all__ = ["HttpLimits", "LINGER_S", "LOG_INTERVAL_S", "LIMIT_KINDS", "raise_open_file_limit"]
+__all__ = ["HttpLimits", "LINGER_S", "LOG_INTERVAL_S", "LIMIT_KINDS"]
 
 log = logging.getLogger("blendmatch.service.limits")
 
@@ -505,31 +505,3 @@ class _LimitedProtocol(HttpToolsProtocol):
 
 def _responded() -> None:
     """A completed cycle's ``on_response``: uvicorn calls it once, at the response's end."""
-
-
-#: File descriptors kept for everything that is not a client connection (listening sockets,
-#: the checkpoint writer, Kafka, log files) when sizing the open-file limit.
-RESERVED_FDS = 128
-
-
-def raise_open_file_limit(max_connections: int) -> None:
-    """Raise the soft open-file limit so that ``max_connections`` connections fit (up to the
-    hard limit); warn when they cannot. Without it a process with the usual soft limit of
-    1,024 fails ``accept()`` before the connection limit could answer a clear 503."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = max_connections + RESERVED_FDS
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft != resource.RLIM_INFINITY and soft < need:
-        log.warning("the open-file limit (%d) is below --max-connections %d + %d: connections past about %d fail "
-                    "at accept() instead of getting a 503; raise `ulimit -n` or lower --max-connections", soft,
-                    max_connections, RESERVED_FDS, soft - RESERVED_FDS)
