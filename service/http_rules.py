@@ -19,7 +19,9 @@ JSON content type      :func:`is_json_content_type` middleware (415; 400 for a r
                                                    lane (hand the request on)
 error and JSON bodies  :func:`json_body`,           access (401/403), middleware, handlers
                        :func:`json_response`,       (every 4xx/5xx), fast path (through the
-                       :func:`send_json`            handlers' functions)
+                       :func:`send_json`            handlers' functions), the HTTP limits'
+                                                   refusals (``limits.py``), the operations
+                                                   routes (``routes_ops.py``)
 ``GET /healthz``       :data:`HEALTHZ_BODY`         the route (``routes_ops.py``), fast path
 reading the body       :func:`read_body`,           fast path (the app reads its own through
                        :func:`replay`               the middleware's counting ``receive``)

@@ -61,7 +61,6 @@ Everything here runs on the event loop thread; no locks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from http import HTTPStatus
@@ -71,6 +70,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .counting_transport import CountingTransport
+from .http_rules import json_body
 from .lane import Lane, LaneCycle
 from .lane import finish as lane_finish
 from .lane import start as lane_start
@@ -110,7 +110,7 @@ class _RateLimitedLog:
 
 
 def _answer(status: int, detail: str) -> bytes:
-    body = json.dumps({"detail": detail}).encode()
+    body = json_body({"detail": detail})
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             % (status, HTTPStatus(status).phrase.encode(), len(body))) + body
 

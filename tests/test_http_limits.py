@@ -455,3 +455,19 @@ def _read_answer(s: socket.socket) -> bytes:
     while len(rest) < n:
         rest += s.recv(4096)
     return head
+
+
+def test_refusals_and_operations_bodies_have_the_one_json_encoding():
+    """Every JSON body the service writes itself is ``http_rules.json_body``'s bytes: the
+    limits' refusals and the operations routes used to encode their own (with spaces)."""
+    from blendmatch.service.http_rules import json_body
+
+    with Served(max_header_bytes=1024) as srv:
+        with srv.connect() as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 2048 + b"\r\n\r\n")
+            status, headers, body = read_response(s)
+        assert status == 431 and body == json_body({"detail": json_detail(status, headers, body)})
+        status, headers, body = srv.request(b"GET /readyz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert status == 200 and body == json_body({"status": "ready"}) == b'{"status":"ready"}'
+        status, headers, body = srv.request(b"POST /admin/checkpoint HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        assert status == 409 and body == json_body({"detail": json_detail(status, headers, body)})
