@@ -90,7 +90,8 @@ LIMIT_KINDS = ("header_bytes", "header_timeout", "body_timeout", "connections", 
 
 
 class _RateLimitedLog:
-    """One WARNING per kind per ``interval`` seconds, saying how many were not logged."""
+    """One line per kind per ``interval`` seconds (at WARNING unless told), saying how many
+    were not logged."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
