@@ -15,7 +15,7 @@ or FastAPI's ``TestClient``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -32,8 +32,10 @@ from .config import ServiceConfig
 from .context import ServiceContext
 from .fastpath import FastPath
 from .handlers import install_error_handlers
-from .lane import Lane
 from .middleware import BodyLimitMiddleware
+
+if TYPE_CHECKING:  # lane.py imports uvicorn's private protocol module: only the protocol that uses it loads it
+    from .lane import Lane
 
 __all__ = ["create_app", "build_openapi", "JSON_BODY_PATHS"]
 
@@ -100,6 +102,8 @@ class _BlendApp(FastAPI):
             return None
         lane = self._lane
         if lane is None:
+            from .lane import Lane
+
             context: ServiceContext = self.state.blendmatch_context
             lane = self._lane = Lane(context, self.access, _body_limit(context), _JSON_PATHS)
         return lane

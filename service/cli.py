@@ -340,7 +340,7 @@ def _serve(argv: Sequence[str]) -> int:
     import uvicorn
 
     from .app import create_app
-    from .limits import HttpLimits, raise_open_file_limit
+    from .transport_support import fallback_uvicorn_options, raise_open_file_limit, tested_range, transport_support
 
     import signal
 
@@ -371,10 +371,24 @@ def _serve(argv: Sequence[str]) -> int:
     # (measured against 0.5 ms: 10-15% more lookups/s under the load test).
     sys.setswitchinterval(float(os.environ.get("BLENDMATCH_SWITCH_INTERVAL_S", "0.0001")))
     # The HTTP limits (header bytes, read timeouts, connections, bytes in flight) live in the
-    # protocol uvicorn runs per connection, so they bite while reading (service/limits.py).
-    metrics = app.state.blendmatch_context.metrics
-    limits = HttpLimits.from_config(config, registry=metrics.registry,
-                                    on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
+    # protocol uvicorn runs per connection, so they bite while reading (service/limits.py),
+    # and the lookup lane with them (lane.py): both on uvicorn's private protocol, checked
+    # here (transport_support.py); without it, plain uvicorn and what its options keep.
+    missing = transport_support()
+    if missing:
+        http_options = fallback_uvicorn_options(config)
+        logging.getLogger("blendmatch.service").warning(
+            "uvicorn %s lacks what the HTTP limits and the lookup lane use (%s): serving with plain uvicorn (h11), "
+            "the same answers, slower; kept: --max-header-bytes (as a 400), --max-connections (uvicorn's "
+            "limit_concurrency); not enforced: --header-timeout, --body-timeout, --max-bytes-in-flight; tested: %s",
+            uvicorn.__version__, ", ".join(missing), tested_range())
+    else:
+        from .limits import HttpLimits
+
+        metrics = app.state.blendmatch_context.metrics
+        limits = HttpLimits.from_config(config, registry=metrics.registry,
+                                        on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
+        http_options = {"http": limits.protocol_class}
     raise_open_file_limit(config.max_connections)
     # Half of --graceful-timeout for in-flight requests; the rest is for the events thread
     # and the final checkpoint (the watchdog in _GracefulServer bounds the whole stop).
@@ -382,7 +396,7 @@ def _serve(argv: Sequence[str]) -> int:
     # header a client could write.
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                access_log=config.access_log, proxy_headers=False, **uvicorn_tls_kwargs(config),
-                               http=limits.protocol_class, ws="none",  # no WebSocket routes here
+                               **http_options, ws="none",  # no WebSocket routes here
                                timeout_graceful_shutdown=max(1, int(config.graceful_timeout / 2)),
                                timeout_keep_alive=int(config.timeout_keep_alive) if config.timeout_keep_alive.is_integer()
                                else config.timeout_keep_alive)

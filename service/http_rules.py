@@ -14,11 +14,14 @@ rule                   here                        applied by
 =====================  ==========================  =========================================
 Content-Length         :func:`parse_content_length` middleware (400, 413); fast path (hands
                        and :func:`body_rejection`   the request to the app, which answers)
-JSON content type      :func:`is_json_content_type` middleware (415); fast path (same)
-                       and :func:`body_rejection`
+JSON content type      :func:`is_json_content_type` middleware (415; 400 for a repeated
+                       and :func:`body_rejection`   ``Content-Type``); fast path and lookup
+                                                   lane (hand the request on)
 error and JSON bodies  :func:`json_body`,           access (401/403), middleware, handlers
                        :func:`json_response`,       (every 4xx/5xx), fast path (through the
-                       :func:`send_json`            handlers' functions)
+                       :func:`send_json`            handlers' functions), the HTTP limits'
+                                                   refusals (``limits.py``), the operations
+                                                   routes (``routes_ops.py``)
 ``GET /healthz``       :data:`HEALTHZ_BODY`         the route (``routes_ops.py``), fast path
 reading the body       :func:`read_body`,           fast path (the app reads its own through
                        :func:`replay`               the middleware's counting ``receive``)
@@ -64,34 +67,45 @@ class BodyHeaders(NamedTuple):
 
     length: int | None          #: the declared length; None when absent or not a number
     bad_length: bytes | None    #: a ``Content-Length`` that is not a number, as sent
-    content_type: bytes | None  #: the ``Content-Type`` value, as sent
+    content_type: bytes | None  #: the ``Content-Type`` value, as sent (the last one)
+    repeated_type: bool = False  #: ``Content-Type`` was given more than once
 
 
 def body_headers(scope: Scope) -> BodyHeaders:
-    """One pass over the headers (the last ``Content-Length`` / ``Content-Type`` wins)."""
+    """One pass over the headers (the last ``Content-Length`` / ``Content-Type`` wins; a
+    repeated ``Content-Type`` is noted, and :func:`body_rejection` refuses it: Starlette
+    reads the first, so no value could be taken that every layer would agree on)."""
     length: int | None = None
     bad: bytes | None = None
     content_type: bytes | None = None
+    repeated = False
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
             length = parse_content_length(value)
             bad = value if length is None else None
         elif name == b"content-type":
+            repeated = content_type is not None
             content_type = value
-    return BodyHeaders(length, bad, content_type)
+    return BodyHeaders(length, bad, content_type, repeated)
 
 
 def body_rejection(scope: Scope, headers: BodyHeaders, limit: int,
                    json_paths: Iterable[str] | frozenset[str]) -> tuple[int, str] | None:
     """``(status, detail)`` when the headers alone decide the answer, else None, in this
     order: a ``Content-Length`` that is not a number (400), one over ``limit`` (413), a POST
-    to a JSON path without ``Content-Type: application/json`` (415)."""
+    to a JSON path with ``Content-Type`` given more than once (400: RFC 9110 allows it
+    once, and layers that read the first or the last would answer one request two ways), or
+    without ``Content-Type: application/json`` (415)."""
     if headers.bad_length is not None:
         return 400, f"Content-Length must be an integer, got {headers.bad_length[:40]!r}"
     if headers.length is not None and headers.length > limit:
         return 413, f"request body of {headers.length} bytes is over the limit of {limit} bytes"
     path = scope["path"]
     content_type = headers.content_type
+    if scope["method"] == "POST" and path in json_paths and headers.repeated_type:
+        given = [value[:60].decode("latin-1") for name, value in scope.get("headers", ()) if name == b"content-type"]
+        return 400, (f"{path} takes one Content-Type header, got {len(given)}: "
+                     + ", ".join(repr(v) for v in given[:4]))
     if scope["method"] == "POST" and path in json_paths and (
             content_type is None or not is_json_content_type(content_type)):
         got = "none" if content_type is None else repr(content_type[:60].decode("latin-1"))

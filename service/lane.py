@@ -208,9 +208,13 @@ def _most_tokens(body: bytes) -> int:
 
 
 def _answered(proto: Any, lane: Lane, cycle: LaneCycle, body: bytes, fut: "asyncio.Future[Any]") -> None:
-    if cycle.disconnected or cycle.response_complete:
-        return  # the client is gone (the limits released the body's bytes)
+    # the exception is retrieved first, answered or not: a future freed with its exception
+    # never retrieved makes asyncio log an ERROR with a traceback
     result = None if fut.cancelled() else (fut.exception() or fut.result())
+    if cycle.disconnected or cycle.response_complete:
+        if cycle.disconnected:  # the client is gone (the limits released the body's bytes)
+            proto.limits.client_gone(proto.client)
+        return
     if isinstance(result, bytes):
         _answer(proto, lane, cycle, result)
     else:

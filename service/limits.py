@@ -45,7 +45,9 @@ transport and logged an ERROR traceback per connection).
 Each refusal is counted in ``blendmatch_http_limit_rejections_total{limit}`` (and in
 ``blendmatch_http_rejected_total{status}`` through ``on_reject``), and logged at WARNING at
 most once per :data:`LOG_INTERVAL_S` per limit, with the number of refusals since the last
-line. Gauges: ``blendmatch_http_connections`` and ``blendmatch_http_bytes_in_flight``.
+line. A client that went away before the lookup lane's answer (``lane.py``) is logged the
+same way, at INFO (:meth:`HttpLimits.client_gone`). Gauges: ``blendmatch_http_connections``
+and ``blendmatch_http_bytes_in_flight``.
 
 Time limits are checked by one timer per server (every quarter of the smaller timeout, at
 most once a second), not by a timer per request: the hot path pays a few attribute writes.
@@ -59,7 +61,6 @@ Everything here runs on the event loop thread; no locks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from http import HTTPStatus
@@ -69,12 +70,13 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .counting_transport import CountingTransport
+from .http_rules import json_body
 from .lane import Lane, LaneCycle
 from .lane import finish as lane_finish
 from .lane import start as lane_start
 from .ratelog import RateLimitedLog
 
-__all__ = ["HttpLimits", "LINGER_S", "LOG_INTERVAL_S", "LIMIT_KINDS", "raise_open_file_limit"]
+__all__ = ["HttpLimits", "LINGER_S", "LOG_INTERVAL_S", "LIMIT_KINDS"]
 
 log = logging.getLogger("blendmatch.service.limits")
 
@@ -89,7 +91,7 @@ LIMIT_KINDS = ("header_bytes", "header_timeout", "body_timeout", "connections", 
 
 
 def _answer(status: int, detail: str) -> bytes:
-    body = json.dumps({"detail": detail}).encode()
+    body = json_body({"detail": detail})
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             % (status, HTTPStatus(status).phrase.encode(), len(body))) + body
 
@@ -154,6 +156,13 @@ class HttpLimits:
         if status is not None and self._on_reject is not None:
             self._on_reject(status)
         self._log.warn(kind, "%s: " + message, _peer(peer), *args)
+
+    def client_gone(self, peer: Any) -> None:
+        """A request's client went away before its answer (the lookup lane's lookups): the
+        answer is dropped. The network's doing, not an error: logged at INFO, at most once
+        per :data:`LOG_INTERVAL_S`, and never with a traceback."""
+        self._log.warn("client_gone", "%s: client went away before its answer: dropped", _peer(peer),
+                       level=logging.INFO)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._timer is None:
@@ -477,31 +486,3 @@ class _LimitedProtocol(HttpToolsProtocol):
 
 def _responded() -> None:
     """A completed cycle's ``on_response``: uvicorn calls it once, at the response's end."""
-
-
-#: File descriptors kept for everything that is not a client connection (listening sockets,
-#: the checkpoint writer, Kafka, log files) when sizing the open-file limit.
-RESERVED_FDS = 128
-
-
-def raise_open_file_limit(max_connections: int) -> None:
-    """Raise the soft open-file limit so that ``max_connections`` connections fit (up to the
-    hard limit); warn when they cannot. Without it a process with the usual soft limit of
-    1,024 fails ``accept()`` before the connection limit could answer a clear 503."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = max_connections + RESERVED_FDS
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft != resource.RLIM_INFINITY and soft < need:
-        log.warning("the open-file limit (%d) is below --max-connections %d + %d: connections past about %d fail "
-                    "at accept() instead of getting a 503; raise `ulimit -n` or lower --max-connections", soft,
-                    max_connections, RESERVED_FDS, soft - RESERVED_FDS)

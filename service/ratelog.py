@@ -17,9 +17,9 @@ __all__ = ["RateLimitedLog"]
 
 
 class RateLimitedLog:
-    """One WARNING per kind per ``interval`` seconds on ``logger``, saying how many were not
-    logged. Not thread-safe: each owner calls it from one thread (the event loop, the
-    publisher's thread)."""
+    """One line per kind per ``interval`` seconds on ``logger`` (at WARNING unless told),
+    saying how many were not logged. Not thread-safe: each owner calls it from one thread
+    (the event loop, the publisher's thread)."""
 
     def __init__(self, logger: logging.Logger, interval: float) -> None:
         self.logger = logger
@@ -27,7 +27,7 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._quiet: dict[str, int] = {}
 
-    def warn(self, kind: str, message: str, *args: Any) -> None:
+    def warn(self, kind: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
         now = time.monotonic()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval:
@@ -36,4 +36,4 @@ class RateLimitedLog:
         self._last[kind] = now
         quiet = self._quiet.pop(kind, 0)
         suffix = f" ({quiet} more since the last such line)" if quiet else ""
-        self.logger.warning(message + "%s", *args, suffix)
+        self.logger.log(level, message + "%s", *args, suffix)

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Response
 
 from .context import Ctx
-from .http_rules import HEALTHZ_BODY
+from .http_rules import HEALTHZ_BODY, json_body
 from .metrics import CONTENT_TYPE
 from .schemas import HealthResponse
 
@@ -28,7 +26,7 @@ async def healthz(ctx: Ctx) -> Response:
     problem = ctx.source.health_problem() if ctx.source is not None else None
     if problem is None:
         return Response(HEALTHZ_BODY, media_type="application/json")
-    return Response(json.dumps({"status": "unhealthy", "reason": problem}).encode(), status_code=503,
+    return Response(json_body({"status": "unhealthy", "reason": problem}), status_code=503,
                     media_type="application/json")
 
 
@@ -57,7 +55,7 @@ async def readyz(ctx: Ctx) -> Response:
     warnings = ctx.durability.warnings()  # failing checkpoints: still ready (durability.py says why)
     if warnings:
         body["warnings"] = warnings
-    return Response(json.dumps(body).encode(), status_code=200 if ready else 503, media_type="application/json")
+    return Response(json_body(body), status_code=200 if ready else 503, media_type="application/json")
 
 
 @router.post("/admin/checkpoint", responses={409: {"description": "checkpoints are off, or the restore is running"},
@@ -70,12 +68,12 @@ async def admin_checkpoint(ctx: Ctx) -> Response:
     dur = ctx.durability
     if not dur.enabled or not dur.restored:
         reason = "checkpoints are off (--checkpoint-path is empty)" if not dur.enabled else "restore in progress"
-        return Response(json.dumps({"detail": reason}).encode(), status_code=409, media_type="application/json")
+        return Response(json_body({"detail": reason}), status_code=409, media_type="application/json")
     try:
         result = await ctx.read(dur.checkpoint_now, "admin request")
     except Exception as exc:  # noqa: BLE001 - reported, the previous checkpoint stands
-        return Response(json.dumps({"detail": f"checkpoint failed: {type(exc).__name__}: {exc}"}).encode(),
+        return Response(json_body({"detail": f"checkpoint failed: {type(exc).__name__}: {exc}"}),
                         status_code=500, media_type="application/json")
     body = {"path": result.path, "bytes": result.bytes, "seconds": result.total_s, "ingest_pause_s": result.pause_s,
             "forked": result.forked, "info": result.info}
-    return Response(json.dumps(body).encode(), media_type="application/json")
+    return Response(json_body(body), media_type="application/json")

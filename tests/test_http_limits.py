@@ -29,11 +29,12 @@ from service_support import b64, config, served
 class Served:
     """The app under uvicorn with ``HttpLimits`` from ``cfg`` (as ``blendmatch serve`` runs it;
     ``cli_uvicorn``: also uvicorn's other settings as the CLI gives them, no proxy headers and
-    no access log, under which the lookup lane runs: ``tests/test_lane.py``)."""
+    no access log, under which the lookup lane runs: ``tests/test_lane.py``; ``fast_path``:
+    ``create_app``'s)."""
 
-    def __init__(self, *, cli_uvicorn: bool = False, **overrides: Any) -> None:
+    def __init__(self, *, cli_uvicorn: bool = False, fast_path: bool = True, **overrides: Any) -> None:
         self.cfg = config(**overrides)
-        self.app = app = create_app(self.cfg)
+        self.app = app = create_app(self.cfg, fast_path=fast_path)
         metrics = app.state.blendmatch_context.metrics
         self.limits = HttpLimits.from_config(self.cfg, registry=metrics.registry,
                                              on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
@@ -454,3 +455,19 @@ def _read_answer(s: socket.socket) -> bytes:
     while len(rest) < n:
         rest += s.recv(4096)
     return head
+
+
+def test_refusals_and_operations_bodies_have_the_one_json_encoding():
+    """Every JSON body the service writes itself is ``http_rules.json_body``'s bytes: the
+    limits' refusals and the operations routes used to encode their own (with spaces)."""
+    from blendmatch.service.http_rules import json_body
+
+    with Served(max_header_bytes=1024) as srv:
+        with srv.connect() as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 2048 + b"\r\n\r\n")
+            status, headers, body = read_response(s)
+        assert status == 431 and body == json_body({"detail": json_detail(status, headers, body)})
+        status, headers, body = srv.request(b"GET /readyz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert status == 200 and body == json_body({"status": "ready"}) == b'{"status":"ready"}'
+        status, headers, body = srv.request(b"POST /admin/checkpoint HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        assert status == 409 and body == json_body({"detail": json_detail(status, headers, body)})

@@ -88,6 +88,13 @@ def corpus() -> list[tuple[str, tuple[str, str, list[tuple[bytes, bytes]], bytes
         ("lookup: no content type", post(lookup, good_ids, content_type=None)),
         ("lookup: text/plain", post(lookup, good_ids, content_type=b"text/plain")),
         ("lookup: json-ish type", post(lookup, good_ids, content_type=b"application/jsonx")),
+        ("lookup: two content types", ("POST", lookup, [(b"host", b"test"), (b"content-type", b"text/plain"),
+                                                        (b"content-type", b"application/json"),
+                                                        (b"content-length", str(len(good_ids)).encode())],
+                                       good_ids, False)),
+        ("lookup: two content types, streamed", ("POST", lookup, [(b"host", b"test"),
+                                                                  (b"content-type", b"application/json"),
+                                                                  (b"content-type", b"text/plain")], good_ids, True)),
         ("lookup: Content-Length abc", post(lookup, good_ids, length=b"abc")),
         ("lookup: Content-Length -1", post(lookup, good_ids, length=b"-1")),
         ("lookup: Content-Length +12", post(lookup, good_ids, length=b"+12")),
@@ -145,7 +152,8 @@ async def test_fast_path_and_routes_answer_the_same_bytes():
     assert by_name["lookup: charset parameter"] == by_name["lookup: token_ids"]
     assert by_name["lookup: no Content-Length (streamed)"] == by_name["lookup: token_ids"]
     for name, status in [("lookup: no content type", 415), ("lookup: text/plain", 415), ("events: text/plain", 415),
-                         ("lookup: json-ish type", 415), ("lookup: Content-Length abc", 400),
+                         ("lookup: json-ish type", 415), ("lookup: two content types", 400),
+                         ("lookup: two content types, streamed", 400), ("lookup: Content-Length abc", 400),
                          ("lookup: Content-Length -1", 400), ("lookup: Content-Length +12", 400),
                          ("lookup: Content-Length huge", 413), ("lookup: over the limit", 413),
                          ("lookup: streamed over the limit", 413), ("lookup: bad JSON", 422),
@@ -160,4 +168,6 @@ def test_header_rules():
     assert [parse_content_length(v) for v in (b"0", b"12", b"", b"-1", b"+1", b" 1", b"1_0", b"\xd9\xa1")] == [
         0, 12, None, None, None, None, None, None]
     scope = {"headers": [(b"content-length", b"x"), (b"content-type", b"a/b"), (b"content-length", b"7")]}
-    assert body_headers(scope) == (7, None, b"a/b")  # the last one wins
+    assert body_headers(scope) == (7, None, b"a/b", False)  # the last one wins
+    scope["headers"] += [(b"content-type", b"application/json")]
+    assert body_headers(scope) == (7, None, b"application/json", True)  # refused by body_rejection

@@ -10,6 +10,7 @@ route reads the same. Counters on the lane's entry points say the lane really an
 from __future__ import annotations
 
 import gc
+import logging
 import json
 import re
 import socket
@@ -362,3 +363,80 @@ def test_a_batch_answers_each_deferred_query_on_its_own():
         [{"chunk_hash": hash_of(i).hex(), "old_st": i * C, "cur_st": 0}] for i in (1, 2, 0)]
     assert isinstance(out[1], ValueError)
     assert isinstance(out[3], TokenDecodeError)
+
+
+def test_abandoned_lookups_log_one_line_and_no_traceback(lane_calls, monkeypatch, caplog):
+    """100 lane lookups that fail on the lookup thread (a ``tokens_b64`` that does not decode,
+    ``include_placements``) whose clients are gone before the answer: each future's exception
+    is retrieved (asyncio logged "Future exception was never retrieved" with a traceback for
+    every one, at ERROR, when the future was freed), and the disconnects are one line in all
+    (rate-limited), never a traceback."""
+    from blendmatch.service import lane as lane_mod
+    from blendmatch.service.context import ServiceContext
+
+    gate = threading.Event()
+    run = ServiceContext._run_lookups
+
+    def held(self, queries):
+        gate.wait(20)  # answers only once every client is gone
+        return run(self, queries)
+
+    answered = {"n": 0}
+    real_answered = lane_mod._answered
+
+    def counted(*args: Any) -> None:
+        answered["n"] += 1
+        real_answered(*args)
+
+    monkeypatch.setattr(ServiceContext, "_run_lookups", held)
+    monkeypatch.setattr(lane_mod, "_answered", counted)
+    bodies = [json.dumps({"tokens_b64": "@@@@", "model_name": MODEL}).encode(),
+              lookup(np.arange(20, dtype=np.uint32), include_placements=True)]
+    caplog.set_level(logging.INFO)
+    with Served() as srv:
+        for i in range(100):
+            with srv.connect() as s:
+                s.sendall(post(LANE, bodies[i % 2]))
+        srv.wait_until("every client gone", lambda: lane_calls["finished"] == 100 and not srv.limits.open)
+        gate.set()
+        srv.wait_until("every lookup done", lambda: answered["n"] == 100, timeout=20)
+        gc.collect()  # a future whose exception nobody retrieved logs it when it is freed
+        assert ask(srv, LANE, lookup(np.arange(20, dtype=np.uint32))).startswith(b"HTTP/1.1 200 ")
+        gc.collect()
+    never = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert never == [], f"{len(never)} x {never[0].getMessage()[:200]}"
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    gone = [r for r in caplog.records if "before its answer" in r.getMessage()]
+    assert len(gone) == 1, [r.getMessage() for r in caplog.records]
+    assert gone[0].levelno == logging.INFO and gone[0].name == "blendmatch.service.limits"
+
+
+@pytest.mark.parametrize("types", [(b"text/plain", b"application/json"), (b"application/json", b"text/plain"),
+                                   (b"application/json", b"application/json")])
+def test_two_content_types_get_one_answer_on_every_path(lane_calls, types):
+    """A lookup with ``Content-Type`` given twice is refused alike (400) whichever path it
+    takes: the lane's entry, the fast path (a query string), the routes (a chunked body, or
+    the fast path off). The lane and the fast path took the last value and the framework the
+    first, so one request got 200 or 415 by its framing."""
+    body = lookup(np.arange(20, dtype=np.uint32))
+    head = b"".join(b"Content-Type: %s\r\n" % t for t in types)
+
+    def sized(path: bytes) -> bytes:
+        return b"POST %s HTTP/1.1\r\nHost: t\r\n%sContent-Length: %d\r\n\r\n%s" % (path, head, len(body), body)
+
+    def chunked(path: bytes) -> bytes:
+        return (b"POST %s HTTP/1.1\r\nHost: t\r\n%sTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                % (path, head, len(body), body))
+
+    answers: dict[str, bytes] = {}
+    for fast in (True, False):
+        with Served(fast_path=fast) as srv:
+            for name, raw in (("lane", sized(LANE)), ("fast path", sized(APP)), ("chunked", chunked(LANE))):
+                with srv.connect() as s:
+                    s.sendall(raw)
+                    answers[f"{name}, fast path {'on' if fast else 'off'}"] = undated(read_response(s))
+    first = next(iter(answers.values()))
+    assert first.startswith(b"HTTP/1.1 400 "), first
+    assert b"Content-Type" in first.partition(b"\r\n\r\n")[2]
+    assert {k: v for k, v in answers.items() if v != first} == {}
+    assert lane_calls["taken"] == 0
