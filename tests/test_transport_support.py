@@ -109,6 +109,10 @@ def test_serve_falls_back_to_plain_uvicorn_with_one_warning():
             except OSError:
                 assert time.monotonic() < deadline, "blendmatch serve did not open its port"
                 time.sleep(0.05)
+        # the port opens before the kernels are compiled: /readyz says "compiling" until then
+        while ask(b"GET /readyz HTTP/1.1\r\nHost: t\r\n\r\n")[0] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline + 120, "blendmatch serve never became ready"
+            time.sleep(0.1)
         status, _, body = ask(_post(b"/events", json.dumps(events(store("inst-a", 1, rows))).encode()))
         assert status == 200 and json.loads(body)["applied"] == 1
         other = np.arange(60_000, 60_040, dtype=np.uint32)
