@@ -116,7 +116,7 @@ async def _latency(args: argparse.Namespace, rows: np.ndarray, hashes: Sequence[
         seed(ctx.directory, args.instances, rows, hashes, (), progress=args.progress)
         print(f"  service filled in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         tokens = base64.b64encode(rows.reshape(-1).astype("<u4").tobytes()).decode()
-        one = base64.b64encode(rows[7].astype("<u4").tobytes()).decode()
+        one = base64.b64encode(rows[min(7, len(rows) - 1)].astype("<u4").tobytes()).decode()
         big_body = {"tokens_b64": tokens, "model_name": MODEL, "include_placements": True,
                     "requester_instance_id": "inst-00000005"}
         small_body = {"tokens_b64": one, "model_name": MODEL}

@@ -11,7 +11,8 @@ State:
   key's record dies with its last placement.
 - Token binding per chunk hash (:class:`Binding`): content (None until a STORE carries
   tokens), its ``token_offset`` (-1 unknown) and the keys bound to it (every key of that
-  chunk hash: one per rank / object group / model / salt, each with its placements, the
+  chunk hash: one per rank / object group / model / salt, each with its placements (a tuple, or
+  past ``holder_log.LOG_FROM`` of them a holder log's view: O(1) per holder change), the
   ``members`` tuple). The binding dies with its last key, and a namespace's claim on the
   blend index with its namespace's last key there (:meth:`BindingStore.replace_placements`).
 - Per key, LMCache's access record (:attr:`BindingStore.access`): the ``ACCESS`` entries
