@@ -1,8 +1,8 @@
 """``tokens_b64`` decoding, side by side: ours (``tokens.decode_query_tokens``) against the
 decoder of an earlier revision and Python's strict ``binascii`` decoder.
 
-Run ``python -m blendmatch.bench.b64`` (``--help`` lists the knobs). Issue 28 asked for a
-faster base64 decode only if it measures better than ours, compared side by side: this is
+Run ``python -m blendmatch.bench.b64`` (``--help`` lists the knobs). A faster base64
+decode is worth keeping only if it measures better than ours, compared side by side: this is
 that comparison. ``--before REV`` (default: the last revision with the numba kernel that
 pybase64 replaced) loads that revision's ``index/tokens.py`` and its kernel module from git
 into a scratch package, so both decoders run in one process, interleaved, medians of

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: ingest pause, lookup latency during a checkpoint, file size, restore.
 
-Question answered (issue 15): "at 100k and 1M stored 256-token chunks, how long does a
+Question answered: "at 100k and 1M stored 256-token chunks, how long does a
 checkpoint pause ingest (target <= 100 ms at 1M), does it pause lookups, how many bytes per
 chunk does it take, and how long does a restore take (target <= 10 s at 1M, >= 13x
 LMCache 0.5.6's 135 us per key: 20k keys in 2.7 s)?"
@@ -40,7 +40,7 @@ from blendmatch.index.types import BlendNamespace
 
 from .events import HASH_BYTES, make_requests
 
-#: LMCache 0.5.6 on this machine (issue 15): 20k keys restored in 2.7 s.
+#: LMCache 0.5.6 on this machine (docs/performance.md, "Checkpoints"): 20k keys restored in 2.7 s.
 LMCACHE_US_PER_KEY = 2.7e6 / 20_000
 MODEL = "meta-llama/Llama-3.1-8B"
 PER_CALL = 20_000  # chunks generated and applied per make_requests call (bounded memory)

@@ -1,7 +1,7 @@
 """Cold and warm start of ``blendmatch serve``: start-to-ready, and the first STORE and lookup after it.
 
 Question answered: "after ``/readyz`` says ready, does the first request pay a compilation?"
-(issue 45). For a cold compile cache (an empty folder) and then a warm one (the same
+(docs/performance.md, "Cold and warm start"). For a cold compile cache (an empty folder) and then a warm one (the same
 folder, filled by the cold run), it starts ``blendmatch serve`` as a real subprocess on a
 free loopback port, polls ``/readyz`` until 200 (start-to-ready, from the spawn), then times
 the first ``POST /events`` (one STORE of one 256-token LMCache entry), the first blend

@@ -3,9 +3,9 @@
 Run ``python -m blendmatch.bench.copies`` (``--help`` lists the knobs). The same content
 under many chunk hashes is the normal CacheBlend case (one document after many prefixes);
 a query made of that content verifies at every window, and each window may take one hash
-the query has not taken yet. Issue 23: with 1,000 copies and a 10,000-token query this took
-6.4 s and 1.7 GB when verification walked every (position, occupant) pair under the index
-lock. Prints our time and peak-RSS growth, and with ``--vs-lmcache PATH`` LMCache 0.5.6's
+the query has not taken yet. Before the current rule, with 1,000 copies and a 10,000-token
+query this took 6.4 s and 1.7 GB when verification walked every (position, occupant) pair
+under the index lock. Prints our time and peak-RSS growth, and with ``--vs-lmcache PATH`` LMCache 0.5.6's
 own ``BlendIndex`` on the same shape in the same run (its side in a subprocess, as
 ``blendmatch bench --vs-lmcache``). Figures: docs/performance.md.
 """

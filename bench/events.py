@@ -1,7 +1,7 @@
 """Ingest benchmark: STORE batches through the gate, the key directory and the blend index.
 
 Question answered: "how many cache-event entries per second can one process ingest, and
-how much memory does each stored chunk cost?" (issue 3: >= 200k entries/s with 256-token
+how much memory does each stored chunk cost?" (the targets: >= 200k entries/s with 256-token
 chunks in batches of 1,000; <= 1.6 KB resident per chunk with blend lookup enabled).
 
 What is timed: ``KeyDirectory.apply``: validation, token conversion, the gate, the
@@ -36,7 +36,7 @@ its own bookkeeping) plus the index's token blocks that are mapped straight from
 blocks, so every per-chunk figure carries up to ``8 MiB / entries`` of block slack: use
 100k entries or more.
 
-``--kv-events`` (issue 25) adds ``packed_kv_events``: the packed form with a vLLM
+``--kv-events`` adds ``packed_kv_events``: the packed form with a vLLM
 KV-events publisher attached (``service/publish``) and a subscriber draining it on a
 thread, alternating with the other forms; ``kv_events_overhead`` is its relative loss of
 ingest rate, ``packed_kv_events_drain_s`` how long the publisher took to send what was
@@ -282,7 +282,7 @@ def run(num_entries: int = 100_000, batch_entries: int = 1000, chunk_size: int =
     of ``repeats`` runs. Defaults finish in about a minute on two cores.
 
     ``kv_events``: also the packed form with a vLLM KV-events publisher attached
-    (``packed_kv_events_*``; issue 25), alternating with the others in the same run, plus
+    (``packed_kv_events_*``), alternating with the others in the same run, plus
     ``kv_events_overhead``: the relative loss of ingest rate.
     """
     if num_entries < 1 or batch_entries < 1 or chunk_size < 1:
@@ -388,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--entries", type=int, default=100_000)
     parser.add_argument("--batch", type=lambda v: [int(x) for x in v.split(",")], default=[1000], metavar="B[,B]",
-                        help="entries per STORE batch; several (64,1000: issue 28's sizes) run one after another")
+                        help="entries per STORE batch; several (64,1000: the service's targets) run one after another")
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--engine", default="cpu", choices=("cpu", "reference", "gpu", "auto"))
     parser.add_argument("--repeats", type=int, default=3, help="runs per input form; the best counts")

@@ -1,4 +1,4 @@
-"""The transport floor of ``POST /events`` ingest on this machine (issue 28, item 5).
+"""The transport floor of ``POST /events`` ingest on this machine (docs/performance.md, "Where ingest's time goes").
 
 Question answered: "how many entries per second could one server take over HTTP if parsing
 and applying cost nothing, with the same posters on the same cores?" A bare HTTP/1.1 server
@@ -7,7 +7,7 @@ and applying cost nothing, with the same posters on the same cores?" A bare HTTP
 (``posters.post_loop``: 4 connections, back to back, every entry a new chunk) drive it at
 each batch size. Printed per batch size: entries/s, and the bare server's and the posters'
 CPU per entry (user and system), beside which ``blendmatch loadtest``'s ingest rows read what
-blendmatch itself costs (docs/performance.md, "Issue 28, second round").
+blendmatch itself costs (docs/performance.md, "Where ingest's time goes").
 
 Run: ``python -m blendmatch.bench.floor [--batches 64,1000] [--posters 4] [--duration 8]``.
 """

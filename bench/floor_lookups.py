@@ -3,7 +3,7 @@ server with its lookup thread cut short, and the real server.
 
 Question answered: "with ``wrk -t1 -c32`` on the same cores, how many 8,192-token lookups
 per second would one process answer if the transport were all it did, and if the lookups
-themselves cost nothing?" (issue 28, item 5: the measured floor under the lookup targets).
+themselves cost nothing?" (docs/performance.md, "Where a lookup's time goes").
 Every stage is driven by ``wrk`` with ``loadtest``'s own lookup requests (``tokens_b64``,
 64 distinct queries rotating, each holding 4 stored chunks), stages alternating within
 each round:

@@ -2,8 +2,8 @@
 
 Question answered: "with the same posters on the same cores, how many entries per second
 would the server take if applying cost nothing, and if decoding cost nothing too; and what
-does its events thread's work cost with no server around it?" (issue 28, item 5: the
-measured floor). Three ``blendmatch serve`` processes are spawned in turn,
+does its events thread's work cost with no server around it?" (docs/performance.md,
+"Where ingest's time goes"). Three ``blendmatch serve`` processes are spawned in turn,
 alternating rounds, each driven by ``loadtest``'s posters (``posters.post_loop``: 4
 connections posting back to back, every entry a new chunk):
 

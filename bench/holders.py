@@ -3,7 +3,7 @@
 Question answered: "a shared system prompt of ``--chunks`` chunks is stored by each of
 ``--instances`` instances in turn: what does adding one holder cost as the fleet grows, and
 does a lookup with ``include_placements`` over that prompt hold up the lookups behind it?"
-(issue 47, item 3).
+(docs/performance.md, "A chunk held by every instance").
 
 Part 1 (the directory, in-process, no HTTP): ``--instances`` STORE batches, one per
 instance, each of the same ``--chunks`` chunks (LMCache JSON bodies, parsed before the

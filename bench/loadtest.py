@@ -14,7 +14,7 @@ What one run does (blendmatch loadtest --spawn --compare, the default):
      (tokens_b64), each containing --matches-per-query stored chunks;
    - lookup+events: the same while one more client streams STORE events at
      --event-rate entries per second (--event-batch entries per request; default 5,000/s
-     in 64-entry batches, LMCache JSON token_ids: issue 28's setting);
+     in 64-entry batches, LMCache JSON token_ids: the targets' setting);
    - events BxP (first configuration only, --ingest-duration s each): --posters concurrent
      posters (default 4) send POST /events back to back, B entries per request for each B
      of --ingest-batches (default 64 and 1,000), every entry a new chunk: the ingest rate;
@@ -537,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(table(results))
     form = "tokens_b64" if args.token_form == "b64" else "token_ids"
-    print(f"\nIssue 28's figures ({args.tokens}-token {form} lookups over {args.chunks:,} chunks of "
+    print(f"\nThe service's targets ({args.tokens}-token {form} lookups over {args.chunks:,} chunks of "
           f"{args.chunk_size}, {args.clients} clients, {args.generator}; ingest phases {args.ingest_duration:g} s "
           "each, every entry a new chunk):\n")
     print(issue_table(results, config=config, lmcache=LMCACHE if args.vs_lmcache else None,

@@ -1,4 +1,5 @@
-"""Lock hold and wait times on the lookup path while STORE events stream in (issue 28, item 2).
+"""Lock hold and wait times on the lookup path while STORE events stream in (docs/performance.md,
+"Lock holds on the lookup path").
 
 Question answered: "does a lookup wait for ingest, and for how long?" The target: no lock
 hold above 1 ms on the lookup path under a stream of 5,000 STORE entries/s.
@@ -10,7 +11,7 @@ production code changes:
 
 - the blend index's lock (``BlendIndex._lock``, also its ``write_lock``): a lookup holds it
   to verify its candidates; ingest holds it from the first index write of a run of batches
-  to the end of that run (issue 23 item 11: a lookup sees a run whole or not at all);
+  to the end of that run (a lookup sees a run whole or not at all);
 - the directory's lock (``KeyDirectory._lock``, its ``ingest_lock``): every write holds it;
   the ``tokens_b64`` blend lookup does not take it (this bench shows whether any lookup did).
 

@@ -1,4 +1,4 @@
-"""Event bodies and event posters of ``blendmatch loadtest``, and the issue 28 summary table.
+"""Event bodies and event posters of ``blendmatch loadtest``, and the summary table of the service's targets.
 
 - :func:`entry_text` / :func:`events_body`: LMCache's ``POST /events`` JSON (STORE batches,
   ``token_ids`` as JSON lists), the one formatter of the fill, the paced stream and the
@@ -9,7 +9,7 @@
   from the server being measured), joined from pre-encoded parts.
 - :func:`post_loop`: ``posters`` connections posting ``batch``-entry bodies back to back
   (closed loop) for ``duration`` seconds: the ingest rate one server sustains.
-- :func:`issue_table`: every figure of issue 28's table from one run's phases, with the
+- :func:`issue_table`: every figure of the service's targets table from one run's phases, with the
   batch sizes and poster counts, against its targets.
 """
 
@@ -113,7 +113,7 @@ async def post_loop(host: str, port: int, *, posters: int, batch: int, duration:
             "max_ms": percentile_ms(lat, 100), "generator_cpu_s": cpu}
 
 
-# ---------------------------------------------------------------------- issue 28's table
+# -------------------------------------------------------------- the service's targets table
 #: (figure, target, higher is better)
 TARGETS = {
     "ratio": (10.0, True), "p99_idle": (8.0, False), "p99_stream": (12.0, False),
@@ -130,7 +130,7 @@ def _verdict(key: str, value: float | None) -> str:
 
 def issue_table(results: Sequence[Any], *, config: str, lmcache: str | None, event_rate: float, event_batch: int,
                 posters: int, ingest_batches: Sequence[int]) -> str:
-    """Issue 28's table (its rows, in its order) from ``PhaseResult`` rows: ours from
+    """The service's targets table (its rows, in its order) from ``PhaseResult`` rows: ours from
     ``config``, LMCache's from ``lmcache`` (its config name), ingest from the
     ``events BxP`` phases. Every row is printed; one not measured in this run says so. An
     ingest row also gives the CPU per entry of the server and of the posters (which share

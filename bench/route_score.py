@@ -1,4 +1,4 @@
-"""The routing score's latency against a blend lookup of the same request (issue 26).
+"""The routing score's latency against a blend lookup of the same request (docs/performance.md, "Routing score").
 
 ``python -m blendmatch.bench.route_score`` starts ``blendmatch serve`` on loopback (CPU
 engine), registers ``--instances`` instances and fills it:

@@ -2,7 +2,7 @@
 
 Question answered: "a ``blendmatch serve`` process stored N chunks sent by the fleet's
 posters: how many resident bytes does each chunk cost it, directory, index, allocator and
-all?" (issue 28, item 4). ``bench/events.py`` measures the directory and index in one
+all?" (docs/performance.md, "Memory per chunk"). ``bench/events.py`` measures the directory and index in one
 process without HTTP; this measures the serving process itself, as an operator's ``ps``
 would: the resident set (``/proc/PID/statm``) after start-up, and again once the last body
 was answered and the events thread is idle.

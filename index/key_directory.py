@@ -229,7 +229,7 @@ class KeyDirectory:
         """Per chunk hash, the placements of its keys stored for ``namespace`` (every rank
         and object group of that namespace, each copy as stored; empty for an unknown chunk
         hash or one this namespace holds no key of): where the chunk a blend match offered
-        lives (issue 26; ranking and liveness: ``placement_rank.py``).
+        lives (ranking and liveness: ``placement_rank.py``).
 
         Takes no lock, on purpose: the lookup thread calls it (placements, the routing score,
         the reuse metrics) and lookups never wait for ingest. Safe because a read here is one

@@ -1,7 +1,7 @@
 """Placement ranking: which copies of a matched chunk may serve a requester, best first.
 
 Question answered: "of the copies the directory knows for a chunk, which are usable now, and
-which should this requester read?" (issue 26: LMCache's index offers a match without saying
+which should this requester read?" (LMCache's index offers a match without saying
 where it lives, though the directory knows both the peers' L1 copies and the shared L2 ones).
 
 A copy is usable when its holder is live: a private copy (L1 or L2) of an instance that is

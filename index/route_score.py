@@ -1,6 +1,6 @@
 """The routing score: how many of a request's tokens each instance could serve from cache.
 
-Question answered: "which instance should serve this request?" (issue 26). KV-aware routers
+Question answered: "which instance should serve this request?" KV-aware routers
 credit only the longest cached prefix per worker; a document placed after different
 instructions earns them nothing. This score credits both, per instance:
 

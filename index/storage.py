@@ -221,7 +221,7 @@ class FingerprintMap:
         """:meth:`lookup` without releasing the GIL, for a caller holding a lock that others
         wait for (a lookup's verification): a release there hands the GIL to the busy event
         loop, and the lock stays held until the GIL comes back (``docs/performance.md``,
-        issue 28's ninth round)."""
+        "Lock holds on the lookup path")."""
         return self._find(_fm_lookup_held, fps)
 
     def _find(self, kernel: Any, fps: np.ndarray) -> np.ndarray:

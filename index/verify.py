@@ -9,7 +9,7 @@ content (first-indexed order) that the requester claims and that this query has 
 yet is the match, and the walk moves on; so at most one match per position and no chunk hash
 twice in a query.
 
-Time and memory are linear in candidates plus occupants (issue 23: one chunk stored under
+Time and memory are linear in candidates plus occupants (before this rule, one chunk stored under
 1,000 chunk hashes and a 10,000-token query of it took 6.4 s and 1.7 GB when every
 (position, occupant) pair was materialised): per query, each content keeps a cursor into its
 occupant list that only moves forward, tokens are compared once per candidate, and only
@@ -143,8 +143,8 @@ def _table_size(cq, rows):  # pragma: no cover - compiled
 
 # Keeps the GIL (no ``nogil``): it runs under the index lock, and a release there handed the
 # GIL to the busy event loop while the lock stayed held until it came back; ingest waited
-# on that (its lock-wait p99 0.7-0.8 ms, 2-3 us since: docs/performance.md, issue 28's ninth
-# round). It takes tens of microseconds a batch, less than one turn of the loop.
+# on that (its lock-wait p99 0.7-0.8 ms, 2-3 us since: docs/performance.md, "Lock holds on
+# the lookup path"). It takes tens of microseconds a batch, less than one turn of the loop.
 @numba.njit(cache=True)
 def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift, bmask,
                c_occ, o_next, o_claim, k_ns, k_next, key_of, exact):  # pragma: no cover - compiled
@@ -160,8 +160,7 @@ def per_position_rule(cq, cst, rows, q_ns, tokens, offsets, width, blocks, shift
 
     The per-query state (each content's cursor, the keys taken) lives in two open-addressing
     tables of arrays, allocated once a batch and emptied between queries by the slots they
-    used: numba's typed dicts, two allocated a query, made the rule 1.5x slower (issue 28,
-    twelfth round)."""
+    used: numba's typed dicts, two allocated a query, made the rule 1.5x slower."""
     n = cq.shape[0]
     cap = 64
     out_c = np.empty(cap, dtype=np.int64)

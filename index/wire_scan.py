@@ -13,7 +13,7 @@ parser as before, and :func:`entry_columns` turns the columns into the very
 Why: at 64-entry batches the events thread spent about 40% of its time decoding bodies,
 three quarters of it holding the GIL (``pydantic_core.from_json`` builds about 15 objects
 per entry, the column checks walk them again). The pass holds no GIL, so the event loop
-serves other requests meanwhile (``docs/performance.md``, "Issue 28, third round").
+serves other requests meanwhile (``docs/performance.md``, "Event ingest in process").
 
 Exact by construction: the pass takes only what it can say exactly. Anything else (a
 backslash anywhere in the body, an entry field it does not know, a field given twice, a

@@ -12,7 +12,7 @@ service in-process, 32 clients, 8k- and 32k-token blend lookups, GPU vs CPU engi
 p50, p99), ``notebook`` (``notebooks/engine_batching.ipynb``'s sweep, condensed: windows/s
 and batch p50/p99 per engine, tokens per query and queries per batch), ``service-smoke``
 (the service in-process on the reference engine: proves the carried wheels), ``summary``
-(writes ``summary.json`` from the step records, with issue 51's targets computed).
+(writes ``summary.json`` from the step records, with the engine's targets computed).
 
 ``--fake``: the GPU is ``tests/fake_cupy.py`` (the strict numpy-backed fake device) and every
 size is shrunk, so the measuring steps run on any machine with a C++ compiler: the dry run
@@ -191,7 +191,7 @@ def _pipelined(eng, batch, slots, n: int, lend: bool, fill: bool = True) -> tupl
 
 
 def step_engine_bench(workdir: Path) -> None:
-    """Issue 51's engine figures at 1M chunks: per shape (queries x 32,768 tokens), the CPU
+    """The GPU engine's figures at 1M chunks: per shape (queries x 32,768 tokens), the CPU
     engine, the fused GPU engine's kernels alone (``kernels_s``: device-only), one batch at a
     time (``probe``) and pipelined (``probe_async`` two deep, plain and with the tokens copied
     into the lent pinned area first), each checked against the CPU engine, and the median
@@ -395,9 +395,9 @@ def step_notebook(workdir: Path) -> None:
     _figures(workdir, "notebook", {"fake": FAKE, "notebook_engine_batching": {"chunks": n_chunks, "rows": rows}})
 
 
-#: Issue 51's targets (an H200, one kit run): pipelined end to end >= 5 G windows/s at
-#: 64 x 32,768-token batches and >= 70% of the device-only figure; 32k-token lookups through
-#: the service at 32 clients: more lookups/s on the GPU than on the CPU engine, p50 <= 1.2x.
+#: The GPU engine's targets (docs/performance.md, "The pipeline"; an H200, one kit run):
+#: pipelined end to end >= 5 G windows/s at 64 x 32,768-token batches and >= 70% of the
+#: device-only figure; 32k-token lookups through the service at 32 clients: more lookups/s on the GPU than on the CPU engine, p50 <= 1.2x.
 TARGET_E2E_WINDOWS_PER_S = 5e9
 TARGET_E2E_OVER_DEVICE = 0.7
 TARGET_P50_OVER_CPU = 1.2

@@ -54,7 +54,7 @@ Access file::
     cidrs = ["10.20.0.0/24", "fd00:20::/64"]
     roles = ["producer", "reader"]
 
-    [kv_events]                         # optional (issue 25, docs/kv-events.md)
+    [kv_events]                         # optional (docs/kv-events.md)
     expose = true                       # allow KV-events endpoints beyond loopback
     curve_secret_key_file = "server.key_secret"   # optional: CurveZMQ (zmq.auth certificate)
     curve_clients_dir = "clients/"      # optional: only these clients' public keys may connect
@@ -269,7 +269,7 @@ class AccessPolicy:
                  networks: Sequence[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, Grant]] = (),
                  kv_events: Optional[Mapping[str, Any]] = None) -> None:
         self.source = source
-        #: the ``[kv_events]`` table (issue 25): ``expose``, ``curve_secret_key_file``, ``curve_clients_dir``
+        #: the ``[kv_events]`` table: ``expose``, ``curve_secret_key_file``, ``curve_clients_dir``
         self.kv_events: dict[str, Any] = dict(kv_events or {})
         self.keys = tuple(keys)
         self.networks = tuple(networks)

@@ -292,7 +292,7 @@ def _serve(argv: Sequence[str]) -> int:
                      "must lie in 1..65535 (0: off)")
     if args.worker_ports_from and args.workers < 2:
         parser.error("--worker-ports-from needs --workers 2 or more")
-    if args.workers > 1 and config.kv_events_endpoint:  # issue 25
+    if args.workers > 1 and config.kv_events_endpoint:
         parser.error("--kv-events-endpoint with --workers: the workers would publish one stream N times; run the "
                      "publishing replica as its own process (docs/kv-events.md)")
     if args.workers > 1 and config.event_transport != "kafka":
@@ -304,7 +304,7 @@ def _serve(argv: Sequence[str]) -> int:
         access = AccessPolicy.from_file(config.access_file) if config.access_file else AccessPolicy.protected_mode()
     except AccessFileError as exc:
         parser.error(str(exc))
-    if config.kv_events_endpoint:  # issue 25: refuse an ungranted exposure before anything starts (a usage error)
+    if config.kv_events_endpoint:  # refuse an ungranted exposure before anything starts (a usage error)
         from .publish import EndpointNotAllowed, KVEventsPublisher
         from .publish.setup import settings_from_config
 

@@ -187,7 +187,7 @@ class ServiceContext:
         #: from ``PYTHONHASHSEED`` as vLLM does): the token form of ``/directory/lookup``.
         self.token_hasher = TokenHasher(config.hash_algorithm, config.chunk_size,
                                         none_hash_seed=vllm_none_hash_seed(os.environ))
-        #: Reuse metrics (issue 26): prefix and non-prefix tokens per lookup, by model.
+        #: Reuse metrics: prefix and non-prefix tokens per lookup, by model.
         self.reuse = ReuseMetrics(self.metrics.registry, self.directory, self.token_hasher)
         self.lookups: MicroBatcher[LookupQuery, bytes | BaseException] = MicroBatcher(
             self._run_lookups,
@@ -233,7 +233,7 @@ class ServiceContext:
         #: Where ``POST /events`` and the registry calls go (``event_source.py``): the routes'
         #: one seam, whatever the transport.
         self.events: EventSource = build_event_source(self, self.source)
-        #: The vLLM KV-events publisher (``--kv-events-endpoint``, issue 25), or None.
+        #: The vLLM KV-events publisher (``--kv-events-endpoint``), or None.
         self.kv_events: Any = None
         if config.kv_events_endpoint:
             from .publish.setup import build_publisher

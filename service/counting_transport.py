@@ -18,7 +18,7 @@ __all__ = ["CountingTransport"]
 class CountingTransport:
     """The connection's transport, with every write accounted (bytes not yet taken by the
     client count toward ``max_bytes_in_flight``), and a response head held back until the
-    body's write (issue 28): uvicorn writes the head and the body of a response separately,
+    body's write: uvicorn writes the head and the body of a response separately,
     each a send syscall made with the GIL held (a fifth of the GIL time of a lookup under
     load, measured with py-spy ``--gil``); joined, they are one. A held head is written at
     the next write, at ``close``, or at the end of the event loop's current iteration,

@@ -97,10 +97,10 @@ class Durability:
         self._directory = directory
         self._sections: dict[str, SectionHooks] = {}
         #: Records the log is ahead of what was applied, or None when events do not come
-        #: from a log (HTTP push): the log transport's ``lag`` (issue 10).
+        #: from a log (HTTP push): the log transport's ``lag``.
         self.lag = lag
         #: The log transport's own reasons not to be ready (a log reset, a cold start's
-        #: catch-up) and its warnings (an unreachable broker); issue 23.
+        #: catch-up) and its warnings (an unreachable broker).
         self.log_reasons = log_reasons
         self.log_warnings = log_warnings
         self._lock = threading.Lock()  # one checkpoint at a time

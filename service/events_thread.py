@@ -11,10 +11,10 @@ plain one-thread executor). For event bodies the group is applied as one
 locks, one deferral buffer, one ``add_many`` of the run's new chunks, each body still
 answered with its own report or error, and the same resulting state as one by one.
 
-Why (issue 28, item 1): with four posters of 64-entry bodies, each apply paid ~0.3 ms of
+Why: with four posters of 64-entry bodies, each apply paid ~0.3 ms of
 fixed cost on the events thread beside ~7 us per entry, and the event loop another future
 hand-off per body; runs of the bodies that queue up behind a busy thread amortise both
-(measured in ``docs/performance.md``, "Issue 28, second round"). A run is bounded
+(``docs/performance.md``, "Where ingest's time goes"). A run is bounded
 (``max_run`` tasks, ``max_run_bytes`` of bodies: 1 MiB, about one 1,000-entry body) because
 the index's write lock is held for a whole run (a lookup's verification waits for it at
 most one run).
@@ -25,7 +25,7 @@ loop (``run``, ``run_grouped``) is answered through an asyncio future of that lo
 thread hands a run's answers to the loop in one ``call_soon_threadsafe`` (one wake-up of
 the loop per run, not per body). Measured with 4 concurrent callers of a trivial group:
 35 us of CPU per task with a concurrent future, a kick through a thread pool and
-``wrap_future`` per task, 12.6 us this way (``docs/performance.md``, issue 28).
+``wrap_future`` per task, 12.6 us this way.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Question answered: "why not prometheus-client's ``Histogram`` on the lookup path
 ``observe`` takes two locks and searches the buckets in Python: ~1.3-1.6 us with the GIL
 held, four or five times per lookup (latency, queue wait, the two reuse series, the batch
 series shared by a batch), about 5% of all GIL time under wrk's lookups (py-spy ``--gil``,
-docs/performance.md, "Issue 28, third round"). :class:`FastHistogram` keeps the same series
+docs/performance.md, "Why the lookup lane"). :class:`FastHistogram` keeps the same series
 (name, help, labels, buckets: ``_bucket``, ``_count`` and ``_sum`` samples, rendered by the
 same registry) and costs ~0.1 us per observation: a value is appended to its series' pending
 list, and pending values are folded into the bucket counts (one NumPy pass) when a scrape

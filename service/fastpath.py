@@ -12,7 +12,7 @@ outside them and answers exactly the requests it can answer *identically*:
   loop), its errors answered by the app's handler functions. The framework stack cost
   more loop time per request than a 50-entry batch's decoding does;
 - ``POST /directory/blend-lookup``, ``POST /directory/blend-lookup/batch`` and ``POST
-  /route/score`` (issue 26) whose body
+  /route/score`` whose body
   has a ``Content-Length`` within the limit, a JSON content type, and parses and validates
   with the very models the routes use (``model_validate_json``: pydantic-core parses and
   validates in one pass, about twice as fast as ``json.loads`` plus validation, and it is at
@@ -75,7 +75,7 @@ class FastPath:
         self._posts: dict[str, tuple[type[BaseModel], _Answer]] = {
             "/directory/blend-lookup": (BlendLookupRequest, answer_lookup),
             "/directory/blend-lookup/batch": (BlendBatchLookupRequest, answer_lookup_batch),
-            "/route/score": (RouteScoreRequest, answer_score),  # issue 26: one query, as a lookup
+            "/route/score": (RouteScoreRequest, answer_score),  # one query, as a lookup
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -8,7 +8,7 @@ Once the index has replaced a grown table (tens of MB at 1M chunks), the large t
 of ingest (a 1,000-entry body's token buffer, a growth's gathered fingerprints, a list's
 reallocation) come from the heap, and the pages they leave free in the middle of it stay
 resident: 47-67 B per chunk of a server filled with 1M chunks over HTTP, 45-64 MiB
-(``bench/service_memory.py``; ``docs/performance.md``, "Issue 28, seventh round"), a
+(``bench/service_memory.py``; ``docs/performance.md``, "Memory per chunk"), a
 figure that moves with the order of frees, not with what is stored.
 
 ``malloc_trim(0)`` releases every free page of every arena (``madvise``), not only the top

@@ -9,8 +9,8 @@ most of what was left: a scope, a cycle object, an ``asyncio.Event``, a task per
 and its steps, the ``receive`` and ``send`` message dicts, the access and fast-path layers'
 coroutine frames. Answered from the protocol, the same lookups (wrk, 32 clients, 8,192
 tokens over 100,000 chunks) went from 9.8-9.9k to 17.5-18.0k per second in a measurement
-prototype, the loop's CPU from 61-63 to 29 us a lookup (``docs/performance.md``, "Issue 28,
-twelfth round").
+prototype, the loop's CPU from 61-63 to 29 us a lookup (``docs/performance.md``, "Why
+the lookup lane").
 
 What the lane takes, decided when the request's head is complete (:func:`start`); every
 other request goes the usual way, unchanged:
@@ -33,7 +33,7 @@ queued with ``ServiceContext.lookup_nowait`` as it is, a ``DeferredQuery``: the 
 thread parses and validates it with the fast path's :func:`~.fastpath.parse_body` and
 checks it with the route's :func:`~.routes_lookup.checked_query`, with its batch
 (:func:`_query`). Why there: the loop is the stage that sets the rate, and the parse was
-~6 us of its ~36 us a lookup (``docs/performance.md``, "Issue 28, thirteenth round"). The
+~6 us of its ~36 us a lookup (``docs/performance.md``, "Why the lookup lane"). The
 answer is written with the head uvicorn writes for ``http_rules.send_json``
 (:func:`response_head`). Anything else (a body that does not parse, ``include_placements``,
 any error raised or returned: a token that does not decode, a limit, not ready yet,

@@ -378,7 +378,7 @@ class _LimitedProtocol(HttpToolsProtocol):
         """A response was completed: its body bytes are no longer held. The cycle's
         ``on_response`` (a closure over the cycle itself) is dropped here: left in place, it
         made every request a reference cycle, and the garbage collector's passes over them
-        took about 6% of the event loop under wrk's lookups (issue 28, twelfth round)."""
+        took about 6% of the event loop under wrk's lookups (docs/performance.md, "Why the lookup lane")."""
         cycle.on_response = _responded
         n = cycle._bm_body
         cycle._bm_body = 0

@@ -1,7 +1,7 @@
 """Reuse metrics: how much of the lookup traffic is reusable, and how much only as fragments.
 
 Question answered: "how much of my traffic is reusable, and how much of it is non-prefix?"
-(issue 26). Per blend lookup (single, batch, with or without placements; not the routing
+Per blend lookup (single, batch, with or without placements; not the routing
 score, which a router sends for requests the engine also looks up), on the lookup thread:
 
 - ``prefix``: the leading full chunks whose prefix-chained hashes (the fleet's token hasher)

@@ -7,7 +7,7 @@ micro-batcher (``ctx.lookup`` / ``ctx.lookup_many``), whose thread decodes ``tok
 (a string that does not decode is a 422 naming the field, e.g. ``body.queries.3.tokens_b64``)
 and encodes the answer, so no per-match model objects are built on the event loop. With
 blend lookup disabled every query answers ``{"matches": []}`` (bad input is still a 422).
-A query with ``include_placements`` (ours, issue 26) carries a finisher (``routing.py``) that
+A query with ``include_placements`` (ours) carries a finisher (``routing.py``) that
 the lookup thread runs in place of the plain encoding; without it the bytes are LMCache's.
 """
 
@@ -72,7 +72,7 @@ def placement_budget(ctx: ServiceContext) -> PlacementBudget:
 
 
 def placed(ctx: ServiceContext, body: BlendLookupRequest, query: LookupQuery, budget: PlacementBudget) -> LookupQuery:
-    """``query`` answered with placements (``include_placements``, issue 26: ``routing.py``)
+    """``query`` answered with placements (``include_placements``: ``routing.py``)
     within ``budget``."""
     return (*query[:2], PlacedMatches(directory=ctx.directory, registry=ctx.registry, namespace=body.namespace,
                                       requester=body.requester_instance_id, budget=budget))

@@ -1,4 +1,4 @@
-"""The routing score: ``POST /route/score`` (ours, issue 26; docs/routing.md).
+"""The routing score: ``POST /route/score`` (ours; docs/routing.md).
 
 Thin: the body is a blend lookup's (``BlendQuery``) plus ``candidates``; the token limit
 is the lookups' (413); the query goes through the micro-batcher with the score's finisher

@@ -1,7 +1,7 @@
 """Where to serve it: placements on matches and the routing score, on the lookup thread.
 
 Question answered: "where do this request's matched chunks live, and which instance could
-serve most of it from cache?" (issue 26). No HTTP here: the routes hand the batcher a
+serve most of it from cache?" No HTTP here: the routes hand the batcher a
 query whose third item is one of these *finishers*, and the lookup thread
 (``ServiceContext._run_lookups``) calls it with the query's matches and tokens instead of
 encoding the plain ``{"matches": [...]}``. So placement lookups and scores are batched with

@@ -1,4 +1,4 @@
-"""``blendmatch loadtest`` prints every figure of issue 28's table: lookups/s against LMCache
+"""``blendmatch loadtest`` prints every figure of the service's targets table: lookups/s against LMCache
 0.5.6's real coordinator (from its wheel) in the same run, lookup p99 with idle ingest and
 under a paced STORE stream, and ``POST /events`` ingest at each batch size with the poster
 count stated. Tiny sizes; no timing is asserted, only that every row was measured, with
@@ -24,7 +24,7 @@ def test_loadtest_prints_every_row_of_issue_28s_table(lmcache_site, capsys):  # 
                         "--ingest-duration", "0.5", "--vs-lmcache", str(lmcache_site)])
     out = capsys.readouterr().out
     assert rc == 0, out  # no failed request, on either server
-    table = out[out.index("Issue 28's figures"):]
+    table = out[out.index("The service's targets"):]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 5, table
     expect = [r"vs LMCache 0\.5\.6's coordinator in the same run .*\| [\d,]+ vs [\d,]+: \*\*[\d.]+x\*\* \|",

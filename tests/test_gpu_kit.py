@@ -77,7 +77,7 @@ def test_gpu_kit_dry_run_in_an_image_shaped_environment(tmp_path):
 
 
 def assert_measures_everything(summary: dict) -> None:
-    """The figures issue 51 and its targets name are all in one summary."""
+    """The GPU engine's figures and the targets that name them are all in one summary."""
     f = summary["figures"]
     assert set(f["engine_bench"]) == {"4x1024", "8x1024"} if f.get("fake") else {"64x32768", "256x32768"}
     for row in f["engine_bench"].values():
