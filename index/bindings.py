@@ -54,14 +54,17 @@ import numpy as np
 from .blend_index import BlendIndex
 from .capacity import UsageLedger
 from .indexable import content_indexable, namespace_indexable
-from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, is_private_l1, placement_ident
+from .holder_log import (Placements, canonical, find, has_private_l1, with_placement, without_ident,
+                         without_private_l1)
+from .placements import L1, SHARED_POOL_INSTANCE, KeyPlacements, Placement, placement_ident
 from .wire import TIERS, EventBatch, KeyScope
 from .types import BlendNamespace, ObjectKey
 
 __all__ = ["Binding", "BindingStore", "FenceResult", "KeyPage", "Member"]
 
-# (scope, placements sorted by (instance_id, tier, backend)); one per key bound to a chunk hash.
-Member = tuple[KeyScope, tuple[Placement, ...]]
+# (scope, placements: a tuple sorted by (instance_id, tier, backend), or past holder_log.LOG_FROM
+# of them a holder log's view); one per key bound to a chunk hash.
+Member = tuple[KeyScope, Placements]
 
 #: Stale or repeated entries a per-instance L1 log may hold beyond its instance's L1 keys
 #: before it is compacted (see :meth:`BindingStore.l1_chunks_of`).
@@ -183,31 +186,37 @@ class BindingStore:
         L1 placement on p's instance)``.
         """
         members = b.members
-        ident = placement_ident(p)
         for j, (sc, pls) in enumerate(members):
             if sc == scope:
-                had_l1 = False
-                new_pls = None
-                for k, q in enumerate(pls):
-                    if placement_ident(q) == ident:
-                        if q == p:
-                            return False, False, False
-                        new_pls = pls[:k] + (p,) + pls[k + 1:]
-                        break
+                if find(pls, placement_ident(p)) == p:
+                    return False, False, False
                 check_l1 = p.tier == L1 and not p.shared
-                if check_l1:
-                    had_l1 = any(is_private_l1(q, p.instance_id) for q in pls)
-                if new_pls is None:
-                    new_pls = tuple(sorted(pls + (p,), key=placement_ident))
+                had_l1 = check_l1 and has_private_l1(pls, p.instance_id)
+                new_pls, replaced = with_placement(pls, p)
+                if replaced is None:
                     self.num_placements += 1
-                b.members = self.intern(members[:j] + ((sc, self.intern(new_pls)),) + members[j + 1:])
+                b.members = self.members_with(members, j, new_pls)
                 return False, False, check_l1 and not had_l1
         ns = scope.namespace
         new_ns = all(sc.namespace != ns for sc, _ in members)
-        b.members = self.intern(members + ((scope, (p,)),))
+        b.members = self.members_with(members, len(members), (p,), scope)
         self.num_keys += 1
         self.num_placements += 1
         return True, new_ns, p.tier == L1 and not p.shared
+
+    def members_with(self, members: tuple[Member, ...], j: int, pls: Placements,
+                     scope: Optional[KeyScope] = None) -> tuple[Member, ...]:
+        """``members`` with member ``j``'s placements replaced by ``pls`` (``j ==
+        len(members)``: a new member of ``scope``), interned when every member's placements
+        are a tuple (a holder log's view is one key's own: never interned, and not hashed:
+        hashing would cost O(holders))."""
+        sc = members[j][0] if j < len(members) else scope
+        if type(pls) is tuple:
+            pls = self.intern(pls)
+        out = members[:j] + ((sc, pls),) + members[j + 1:]
+        if all(type(q) is tuple for _, q in out):
+            return self.intern(out)
+        return out
 
     def add_new(self, batch: EventBatch, hashes: Sequence[bytes], bindings: list[Binding]) -> None:
         """Bind new, distinct chunk hashes of ``batch``, one key and one placement each."""
@@ -245,7 +254,7 @@ class BindingStore:
             members = b.members
             got = holds.get(id(members))
             if got is None:
-                got = holds[id(members)] = any(is_private_l1(q, inst) for _, pls in members for q in pls)
+                got = holds[id(members)] = any(has_private_l1(pls, inst) for _, pls in members)
             if got:
                 out.append(h)
         return out
@@ -270,9 +279,9 @@ class BindingStore:
                 continue
             for j, (sc, pls) in enumerate(b.members):
                 if sc == scope:
-                    kept = tuple(q for q in pls if placement_ident(q) != ident)
-                    if len(kept) != len(pls):
-                        self.replace_placements(h, b, j, pls, kept)
+                    kept, gone = without_ident(pls, ident)
+                    if gone is not None:
+                        self.replace_placements(h, b, j, (gone,), kept)
                     break
 
     def record_access(self, batch: EventBatch) -> None:
@@ -315,10 +324,9 @@ class BindingStore:
             b = self.bindings[h]  # l1_chunks_of is exact: every hash in it is bound
             j = 0
             while j < len(b.members):
-                pls = b.members[j][1]
-                kept = tuple(q for q in pls if not is_private_l1(q, instance_id))
-                if len(kept) != len(pls):
-                    self.replace_placements(h, b, j, pls, kept, l1_exact=False)
+                kept, gone = without_private_l1(b.members[j][1], instance_id)
+                if gone:
+                    self.replace_placements(h, b, j, gone, kept, l1_exact=False)
                     if not kept:
                         continue  # member j died; the next one moved to j
                 j += 1
@@ -326,25 +334,25 @@ class BindingStore:
         self.reporters.discard(instance_id)
         return FenceResult(placements_before - self.num_placements, keys_before - self.num_keys)
 
-    def replace_placements(self, h: bytes, b: Binding, j: int, old: tuple[Placement, ...],
-                           kept: tuple[Placement, ...], l1_exact: bool = True) -> None:
-        """Member ``j`` of ``b`` keeps only ``kept`` of its placements ``old``; a member left
-        without placements dies (and its namespace's claim with its last key), a binding
-        without members too. ``l1_exact=False``: the caller (fencing) resets the instance's
-        L1 bookkeeping itself."""
-        self.num_placements -= len(old) - len(kept)
-        self.usage.remove_placements(q for q in old if q not in kept)
+    def replace_placements(self, h: bytes, b: Binding, j: int, gone: Sequence[Placement],
+                           kept: Placements, l1_exact: bool = True) -> None:
+        """Member ``j`` of ``b`` lost ``gone`` and keeps ``kept`` (``holder_log.py``'s
+        ``without_*`` made both); a member left without placements dies (and its
+        namespace's claim with its last key), a binding without members too.
+        ``l1_exact=False``: the caller (fencing) resets the instance's L1 bookkeeping itself."""
+        self.num_placements -= len(gone)
+        self.usage.remove_placements(gone)
         if l1_exact:
-            self._drop_l1_bookkeeping(old, kept)
+            self._drop_l1_bookkeeping(gone, kept)
         members = b.members
         if kept:
-            b.members = self.intern(members[:j] + ((members[j][0], self.intern(kept)),) + members[j + 1:])
+            b.members = self.members_with(members, j, kept)
             return
         scope = members[j][0]
         if self.access:
             self.access.pop(scope.object_key(h), None)  # the key died: its access record too
         rest = members[:j] + members[j + 1:]
-        b.members = self.intern(rest) if rest else ()
+        b.members = (self.intern(rest) if all(type(q) is tuple for _, q in rest) else rest) if rest else ()
         self.num_keys -= 1
         ns = scope.namespace
         if b.indexed and self.content_in_index(b) and all(sc.namespace != ns for sc, _ in rest):
@@ -362,11 +370,11 @@ class BindingStore:
                 self.num_with_tokens -= 1
             b.tokens = None
 
-    def _drop_l1_bookkeeping(self, old: tuple[Placement, ...], kept: tuple[Placement, ...]) -> None:
-        """A key lost ``old`` less ``kept``: count down each instance whose last private L1
-        copy of the key went (its log keeps the chunk hash until a compaction: stale)."""
-        for inst in {q.instance_id for q in old if q.tier == L1 and not q.shared}:
-            if any(is_private_l1(q, inst) for q in kept):
+    def _drop_l1_bookkeeping(self, gone: Sequence[Placement], kept: Placements) -> None:
+        """A key lost ``gone`` and keeps ``kept``: count down each instance whose last private
+        L1 copy of the key went (its log keeps the chunk hash until a compaction: stale)."""
+        for inst in {q.instance_id for q in gone if q.tier == L1 and not q.shared}:
+            if has_private_l1(kept, inst):
                 continue
             left = self.l1_keys.get(inst, 0) - 1
             if left > 0:
@@ -390,7 +398,7 @@ class BindingStore:
                 for scope, placements in b.members:
                     if (scope.model_name == key.model_name and scope.kv_rank == key.kv_rank
                             and scope.object_group_id == key.object_group_id and scope.cache_salt == key.cache_salt):
-                        pls = placements
+                        pls = canonical(placements)
                         break
             out.append(pls)
         return out
@@ -429,7 +437,7 @@ class BindingStore:
                 if not everything and not any(map(wanted, placements)):
                     continue
                 if offset <= seen and (end is None or seen < end):
-                    chosen = placements if everything else tuple(filter(wanted, placements))
+                    chosen = canonical(placements) if everything else tuple(filter(wanted, canonical(placements)))
                     out.append(KeyPlacements(scope.object_key(h), chosen))
                 seen += 1
                 if not count_all and end is not None and seen >= end:
@@ -443,7 +451,8 @@ class BindingStore:
         bindings = list(self.bindings.values())
         return {
             "hashes": list(self.bindings),
-            "members": [b.members for b in bindings],
+            "members": [m if all(type(pls) is tuple for _, pls in m) else
+                        tuple((sc, canonical(pls)) for sc, pls in m) for m in (b.members for b in bindings)],
             "offsets": [b.offset for b in bindings],
             "indexed": [b.indexed for b in bindings],
             "tokens": [b.tokens for b in bindings],

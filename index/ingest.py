@@ -54,7 +54,8 @@ from .gate import Admission, IngestGate
 from .holders import HolderWatch
 from .indexable import NOT_INDEXABLE_REASONS, content_indexable, indexable_reason, namespace_indexable
 from .logsafe import log_safe
-from .placements import L1, SHARED_POOL_INSTANCE, Placement, placement_ident
+from .holder_log import find
+from .placements import L1, SHARED_POOL_INSTANCE, Placement
 from .types import BlendNamespace
 from .wire import EntryColumns, EventBatch, EventRequest, KeyScope, TokenColumn
 
@@ -402,9 +403,9 @@ class IngestPath:
                 if b is not None:
                     for sc, pls in b.members:
                         if sc == scope:
-                            for q in pls:
-                                if placement_ident(q) == ident:
-                                    old = q.size_bytes
+                            q = find(pls, ident)
+                            if q is not None:
+                                old = q.size_bytes
                             break
             if old is None:
                 count += 1

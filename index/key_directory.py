@@ -40,6 +40,7 @@ from .capacity import CapacityDeclarations, UsageLedger, instance_usage_report, 
 from .holders import HolderWatch
 from .indexable import NOT_INDEXABLE_REASONS
 from .ingest import ApplyCounts, ApplyReport, IngestPath
+from .placement_rank import RankedCopies, ranked_copies
 from .placements import SHARED_POOL_INSTANCE, KeyPlacements, Placement
 from .wire import EventRequest, parse_event_request
 from .types import BlendMatch, BlendNamespace, ObjectKey
@@ -58,6 +59,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Copies :meth:`KeyDirectory.namespace_ranked` keeps ranked at most (about 16 bytes each:
+#: two pointers; the placements themselves are the bindings' own); past it the memo starts
+#: over. 1M copies is 5,000 chunks each held by 200 instances, about 16 MiB.
+_RANKED_MEMO_COPIES = 1 << 20
 
 
 class BlendLookupDisabled(RuntimeError):
@@ -78,6 +84,9 @@ class KeyDirectory:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._watch: Optional[HolderWatch] = None
+        # (id(members), namespace) -> (members, ranked copies): see namespace_ranked
+        self._ranked: dict[tuple[int, BlendNamespace], tuple[Any, RankedCopies]] = {}
+        self._ranked_copies = 0
         self._reset(None)
 
     def _reset(self, index: Optional[BlendIndex]) -> None:
@@ -238,6 +247,47 @@ class KeyDirectory:
                 continue
             out.append(tuple(p for scope, placements in b.members if scope.namespace == namespace
                              for p in placements))
+        return out
+
+    def namespace_ranked(self, chunk_hashes: Iterable[bytes], namespace: BlendNamespace
+                         ) -> list[Optional[RankedCopies]]:
+        """Per chunk hash, :func:`placement_rank.ranked_copies` of what
+        :meth:`namespace_placements` answers (None where that is empty): what a capped
+        placement answer walks (``placement_rank.top_placements``).
+
+        Lock-free, with the same guarantee as :meth:`namespace_placements`. Memoized per
+        holder set: a binding's ``members`` is replaced whole on every change and never
+        mutated, so ``(id(members), namespace)``, checked by identity against the members
+        kept in the memo, names one holder set for as long as the memo holds it. A chunk
+        held by every instance of a fleet is ranked once per change, not once per answer;
+        chunks that share an interned members tuple share one entry. The memo holds at
+        most ``_RANKED_MEMO_COPIES`` copies (then starts over). Concurrent callers may both
+        rank one holder set; either result is right."""
+        get = self._store.bindings.get
+        memo = self._ranked
+        out: list[Optional[RankedCopies]] = []
+        for h in chunk_hashes:
+            b = get(h)
+            if b is None:
+                out.append(None)
+                continue
+            members = b.members  # one read: the holder set of this answer
+            key = (id(members), namespace)
+            got = memo.get(key)
+            if got is not None and got[0] is members:
+                out.append(got[1])
+                continue
+            pls = [p for scope, placements in members if scope.namespace == namespace for p in placements]
+            if not pls:
+                out.append(None)
+                continue
+            ranked = ranked_copies(pls)
+            self._ranked_copies += len(ranked.order)
+            if self._ranked_copies > _RANKED_MEMO_COPIES:
+                memo.clear()
+                self._ranked_copies = len(ranked.order)
+            memo[key] = (members, ranked)
+            out.append(ranked)
         return out
 
     def namespace_holds(self, chunk_hashes: Iterable[bytes], namespace: BlendNamespace) -> list[bool]:

@@ -20,6 +20,19 @@ rank  class              why
 3     ``PRIVATE_L2``     a live instance's own L2 (its disk): slower, and only that instance
 ====  =================  ============================================================
 
+:class:`RankedCopies` and :func:`top_placements` give the first ``cap`` of that ranking and
+how many copies it holds without ranking every copy per requester: a chunk held by every
+instance of a big fleet (a shared system prompt) has one copy per instance, and an answer
+must not cost O(holders) per match. :func:`ranked_copies` sorts a chunk's copies once by a
+requester-independent key (its class for a requester that holds none of them, then
+``(instance_id, tier, backend)``); a requester's own copies are contiguous in that order (one
+instance id), found by bisection and moved where the module table puts them: its L1 first,
+its L2 first among the private L2s. So :func:`top_placements` walks ``cap`` usable copies
+(plus the dead ones it skips) and counts the usable ones at C speed; it equals
+``rank_placements(...)[:cap]`` and ``len(rank_placements(...))`` exactly
+(``tests/test_placement_cap.py`` checks it against that oracle). The caller memoizes
+:class:`RankedCopies` per stored holder set (``KeyDirectory.namespace_ranked``).
+
 :func:`resolve_overlaps` is THE non-overlap rule for matches (leftmost first, LMCache's blend
 path); with ``rank`` it prefers the better-placed of two overlapping matches. The client,
 the routing score and the reuse metrics all call it. Pure functions, no I/O, no locks.
@@ -28,7 +41,8 @@ the routing score and the reuse metrics all call it. Pure functions, no I/O, no 
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Container, Iterable, Optional, Sequence, TypeVar
+from itertools import chain
+from typing import Callable, Container, Iterable, NamedTuple, Optional, Sequence, TypeVar
 
 from .placements import L1, SHARED_POOL_INSTANCE, Placement
 
@@ -36,13 +50,16 @@ __all__ = [
     "OWN_L1",
     "PEER_L1",
     "PRIVATE_L2",
+    "RankedCopies",
     "SHARED",
     "UNPLACED",
     "best_rank",
     "is_shared",
     "placement_class",
     "rank_placements",
+    "ranked_copies",
     "resolve_overlaps",
+    "top_placements",
 ]
 
 OWN_L1 = 0
@@ -86,6 +103,78 @@ def rank_placements(placements: Iterable[Placement], requester: Optional[str], l
     out.sort(key=lambda p: (placement_class(p.instance_id, p.tier, requester), p.instance_id != requester,
                             p.instance_id, p.tier, p.backend))
     return out
+
+
+class RankedCopies(NamedTuple):
+    """One chunk's distinct copies (one per ``(instance_id, tier, backend)``, the first seen
+    kept, as :func:`rank_placements` keeps it), ranked for a requester that holds none of
+    them (:func:`ranked_copies`). Immutable: shared by every reader of the same holder set."""
+
+    #: sorted by :func:`_base_key`, then ``(tier, backend)``
+    order: tuple[Placement, ...]
+    #: the instance ids of the private copies, for counting the live ones
+    private_ids: tuple[str, ...]
+    #: shared-pool copies (always usable)
+    shared: int
+
+
+def _base_class(p: Placement) -> int:
+    """The class of ``p`` for a requester that is not its holder."""
+    if is_shared(p.instance_id):
+        return SHARED
+    return PEER_L1 if p.tier == L1 else PRIVATE_L2
+
+
+def _base_key(p: Placement) -> tuple[int, str]:
+    return _base_class(p), p.instance_id
+
+
+def ranked_copies(placements: Iterable[Placement]) -> RankedCopies:
+    """The distinct copies among ``placements`` in requester-independent order (module
+    docstring). O(n log n); the result is meant to be kept while the holder set lasts."""
+    seen: set[tuple[str, str, str]] = set()
+    distinct: list[Placement] = []
+    for p in placements:
+        ident = (p.instance_id, p.tier, p.backend)
+        if ident not in seen:
+            seen.add(ident)
+            distinct.append(p)
+    distinct.sort(key=lambda p: (_base_class(p), p.instance_id, p.tier, p.backend))
+    private_ids = tuple(p.instance_id for p in distinct if not is_shared(p.instance_id))
+    return RankedCopies(tuple(distinct), private_ids, len(distinct) - len(private_ids))
+
+
+def top_placements(copies: RankedCopies, requester: Optional[str], live: Container[str], cap: int
+                   ) -> tuple[list[Placement], int]:
+    """``(rank_placements(copies)[:cap], len(rank_placements(copies)))`` for ``requester``
+    and ``live``, without ranking every copy: O(cap + dead copies skipped + log n) Python
+    steps, and one C-speed pass over the private ids to count the live ones (``live``
+    should be a set). ``cap`` >= 0."""
+    order = copies.order
+    n = len(order)
+    # the requester's own copies: one instance id, so contiguous in each class
+    if requester is None or is_shared(requester):
+        l1_lo = l1_hi = 0
+        l2_lo = l2_hi = l2_at = bisect.bisect_left(order, PRIVATE_L2, key=_base_class)
+    else:
+        l1_lo = bisect.bisect_left(order, (PEER_L1, requester), key=_base_key)
+        l1_hi = bisect.bisect_right(order, (PEER_L1, requester), lo=l1_lo, key=_base_key)
+        l2_at = bisect.bisect_left(order, PRIVATE_L2, lo=l1_hi, key=_base_class)
+        l2_lo = bisect.bisect_left(order, (PRIVATE_L2, requester), lo=l2_at, key=_base_key)
+        l2_hi = bisect.bisect_right(order, (PRIVATE_L2, requester), lo=l2_lo, key=_base_key)
+    # own L1 | L1 and shared but own L1 | own L2 | other L2 before it | other L2 after it
+    walk = chain(range(l1_lo, l1_hi), range(0, l1_lo), range(l1_hi, l2_at), range(l2_lo, l2_hi),
+                 range(l2_at, l2_lo), range(l2_hi, n))
+    kept: list[Placement] = []
+    if cap > 0:
+        for i in walk:
+            p = order[i]
+            if p.instance_id in live or is_shared(p.instance_id):
+                kept.append(p)
+                if len(kept) == cap:
+                    break
+    usable = copies.shared + sum(map(live.__contains__, copies.private_ids))
+    return kept, usable
 
 
 def resolve_overlaps(matches: Iterable[M], chunk_size: int = 256, *,

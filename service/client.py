@@ -120,12 +120,15 @@ class MatchPlacement(NamedTuple):
 
 class PlacedMatch(NamedTuple):
     """A :class:`BlendMatch`'s three fields (same positions) plus its usable copies, best
-    first for the requester (the server ranks them: ``index/placement_rank.py``)."""
+    first for the requester (the server ranks them: ``index/placement_rank.py``), and how
+    many usable copies the server left out (its ``--max-placements-per-match`` and
+    ``--max-placement-answer-bytes``; docs/routing.md)."""
 
     chunk_hash: bytes
     old_st: int
     cur_st: int
     placements: tuple[MatchPlacement, ...]
+    placements_omitted: int = 0
 
 
 def resolve_overlaps(matches: Iterable[Any], chunk_size: int = 256, *, prefer_placement: bool = False,
@@ -173,7 +176,7 @@ def _matches(payload: Mapping[str, Any]) -> list[BlendMatch]:
         if "placements" in m:
             out.append(PlacedMatch(bytes.fromhex(m["chunk_hash"]), int(m["old_st"]), int(m["cur_st"]),
                                    tuple(MatchPlacement(str(p["instance_id"]), str(p["tier"]), str(p["backend"]))
-                                         for p in m["placements"])))
+                                         for p in m["placements"]), int(m.get("placements_omitted", 0))))
         else:
             out.append(BlendMatch(bytes.fromhex(m["chunk_hash"]), int(m["old_st"]), int(m["cur_st"])))
     return out

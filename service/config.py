@@ -35,6 +35,15 @@ Limits and why they exist:
   ``release_free_heap`` (default on) makes each such freeze also return the C allocator's
   free pages to the OS (``service/heap.py``: 47-67 B less resident per chunk at 1M chunks).
 
+- ``max_placements_per_match`` (default 16) and ``max_placement_answer_bytes`` (default
+  4 MiB) bound a lookup's ``include_placements`` answer (``service/routing.py``,
+  docs/routing.md). 16 copies: the requester's own, then enough live peers and pools for a
+  router to spread load over (a router picks one; more than 16 candidates for one chunk
+  adds bytes, not choice), about 1.1 KB per match. 4 MiB: 16 copies for every match of a
+  request of about 3,900 aligned 256-token chunks (a 1M-token request, the default
+  ``max_request_tokens``), and about 0.4 s of a 100 Mbit/s link; one shared prompt held by
+  1,000 instances had made one 200-chunk answer 11 MB.
+
 - ``max_header_bytes``, ``header_timeout``, ``body_timeout``, ``max_connections`` and
   ``max_bytes_in_flight`` bound what hostile or broken clients can hold: see
   ``service/limits.py`` and docs/security.md.
@@ -148,6 +157,15 @@ class ServiceConfig(BaseModel):
         default=10_000, ge=1,
         description="distinct instance ids tracked (event cursors, registrations); a request that would add one "
                     "more is a 429 with nothing applied; ids leave when their instance deregisters or expires")
+    max_placements_per_match: int = Field(
+        default=16, ge=1, le=1 << 16,
+        description="with include_placements: usable copies listed per match, best first; the others are counted "
+                    "in the match's placements_omitted (docs/routing.md)")
+    max_placement_answer_bytes: int = Field(
+        default=4 << 20, ge=1024,
+        description="with include_placements: bytes of placements in one answer (a batch: all its queries); past "
+                    "it later matches list none, count them in placements_omitted and say placements_truncated",
+        json_schema_extra={"shown": "4 MiB"})
 
     # access and TLS (service/access.py, docs/security.md)
     access_file: str | None = Field(

@@ -147,6 +147,14 @@ class ServiceMetrics:
             registry=r)
         self.internal_errors = Counter(
             "blendmatch_http_internal_errors", "requests answered with a 500 (a bug)", registry=r)
+        self.placements_omitted = Counter(
+            "blendmatch_placements_omitted", "usable copies of matched chunks left out of include_placements "
+            "answers: cap (--max-placements-per-match), bytes (--max-placement-answer-bytes)", ["reason"], registry=r)
+        self.placements_omitted_cap = self.placements_omitted.labels("cap")
+        self.placements_omitted_bytes = self.placements_omitted.labels("bytes")
+        self.placement_truncations = Counter(
+            "blendmatch_placement_answers_truncated", "requests whose include_placements answers reached "
+            "--max-placement-answer-bytes", registry=r)
         # the children of the per-body counters, looked up once: ``labels()`` costs ~2 us on
         # the event loop, three or four times per POST /events
         self._events_by = {label: self.events.labels(label) for label in ("applied", "duplicate", "stale")}

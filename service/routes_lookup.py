@@ -22,7 +22,7 @@ from .context import Ctx, LookupQuery, ServiceContext, query_tokens
 from blendmatch.index.tokens import TokenDecodeError, decode_token_ids
 
 from .errors import InvalidRequest
-from .routing import PlacedMatches, finish, finish_many
+from .routing import PlacedMatches, PlacementBudget, finish, finish_many
 from .schemas import (
     BlendBatchLookupRequest,
     BlendBatchLookupResponse,
@@ -62,10 +62,20 @@ def checked_query(ctx: ServiceContext, body: BlendLookupRequest, tokens: Any = N
     return query
 
 
-def placed(ctx: ServiceContext, body: BlendLookupRequest, query: LookupQuery) -> LookupQuery:
-    """``query`` answered with placements (``include_placements``, issue 26: ``routing.py``)."""
-    return (*query[:2], PlacedMatches(directory=ctx.directory, registry=ctx.registry,
-                                      namespace=body.namespace, requester=body.requester_instance_id))
+def placement_budget(ctx: ServiceContext) -> PlacementBudget:
+    """One request's bounds on its placements (``routing.py``): a single lookup's, or a whole
+    batch's, shared by its queries."""
+    m = ctx.metrics
+    return PlacementBudget(cap=ctx.config.max_placements_per_match, bytes_left=ctx.config.max_placement_answer_bytes,
+                           omitted_cap=m.placements_omitted_cap, omitted_bytes=m.placements_omitted_bytes,
+                           truncations=m.placement_truncations)
+
+
+def placed(ctx: ServiceContext, body: BlendLookupRequest, query: LookupQuery, budget: PlacementBudget) -> LookupQuery:
+    """``query`` answered with placements (``include_placements``, issue 26: ``routing.py``)
+    within ``budget``."""
+    return (*query[:2], PlacedMatches(directory=ctx.directory, registry=ctx.registry, namespace=body.namespace,
+                                      requester=body.requester_instance_id, budget=budget))
 
 
 async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest, tokens: Any = None) -> bytes:
@@ -75,7 +85,10 @@ async def answer_lookup(ctx: ServiceContext, body: BlendLookupRequest, tokens: A
     t0 = time.perf_counter()
     query = checked_query(ctx, body, tokens)
     try:
-        payload = await ctx.lookup(query) if not body.include_placements else await finish(ctx, placed(ctx, body, query))
+        if body.include_placements:
+            payload = await finish(ctx, placed(ctx, body, query, placement_budget(ctx)))
+        else:
+            payload = await ctx.lookup(query)
     except TokenDecodeError as exc:
         raise InvalidRequest(f"body.{exc}") from None
     ctx.metrics.lookup_latency_single.observe(time.perf_counter() - t0)
@@ -90,7 +103,8 @@ async def answer_lookup_batch(ctx: ServiceContext, body: BlendBatchLookupRequest
                else query_of(q, f"body.queries.{i}") for i, q in enumerate(body.queries)]
     ctx.check_tokens(sum(query_tokens(q) for q in queries))
     if any(q.include_placements for q in body.queries):
-        parts = await finish_many(ctx, [placed(ctx, q, query) if q.include_placements else query
+        budget = placement_budget(ctx)
+        parts = await finish_many(ctx, [placed(ctx, q, query, budget) if q.include_placements else query
                                         for q, query in zip(body.queries, queries)])
     else:
         parts = await ctx.lookup_many(queries)

@@ -10,7 +10,16 @@ answered exactly as before).
 
 - :class:`PlacedMatches`: each match with its usable copies, ranked for the requester
   (``index/placement_rank.py``); a match with no live holder is dropped and counted in
-  ``dropped_without_live_holder``.
+  ``dropped_without_live_holder``. Bounded twice (:class:`PlacementBudget`, one per HTTP
+  request, shared by a batch's queries): at most ``max_placements_per_match`` copies per
+  match, best first, the rest counted in the match's ``placements_omitted``; and at most
+  ``max_placement_answer_bytes`` bytes of placements per request: once a match's
+  placements would pass it, that match and every later one of the request carry none
+  (all their usable copies counted in ``placements_omitted``) and each answer of the
+  request from there on says ``placements_truncated: true``. The work per match is
+  O(cap) plus a C-speed count of its holders (``placement_rank.top_placements`` over the
+  directory's memoized ranking), so a chunk held by every instance of a big fleet does not
+  hold the lookup thread.
 - :class:`ScoreRequest`: ``POST /route/score`` (``index/route_score.py``): the request's
   prefix-chained chunk hashes come from the fleet's token hasher, hashed in growing steps
   and stopped at the first chunk no live instance holds in L1.
@@ -23,38 +32,76 @@ reads (``KeyDirectory.namespace_placements``) are lock-free, so it never waits f
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Sequence
 
 import numpy as np
 
 from blendmatch.index.key_directory import KeyDirectory
-from blendmatch.index.placement_rank import rank_placements
+from blendmatch.index.placement_rank import RankedCopies, top_placements
 from blendmatch.index.registry import InstanceRegistry
 from blendmatch.index.route_score import RouteScore, l1_holders, route_score
 from blendmatch.index.token_hasher import TokenHasher
 from blendmatch.index.tokens import decode_query_tokens
 from blendmatch.index.types import BlendMatch, BlendNamespace
 
-__all__ = ["PlacedMatches", "ScoreRequest", "encode_placed", "encode_score", "finish", "finish_many",
-           "prefix_placements"]
+__all__ = ["PlacedMatches", "PlacementBudget", "ScoreRequest", "encode_placed", "encode_score", "finish",
+           "finish_many", "prefix_placements"]
 
 #: Prefix chunks hashed in the first step; each further step doubles it (a request whose first
 #: chunk nobody holds costs one hash; a long prefix at most twice its length).
 _FIRST_STEP = 4
 
 
-def encode_placed(matches: Sequence[BlendMatch], placements: Sequence[Sequence[Any]], dropped: int) -> bytes:
-    """``{"matches": [{chunk_hash, old_st, cur_st, placements: [{instance_id, tier, backend}]}],
-    "dropped_without_live_holder": n}`` as JSON bytes (instance ids and backends are event
-    input: escaped by ``json.dumps``)."""
-    items = []
-    for m, pls in zip(matches, placements, strict=True):
-        where = ",".join(f'{{"instance_id":{json.dumps(p.instance_id)},"tier":{json.dumps(p.tier)},'
-                         f'"backend":{json.dumps(p.backend)}}}' for p in pls)
-        items.append(f'{{"chunk_hash":"{m.chunk_hash.hex()}","old_st":{int(m.old_st)},"cur_st":{int(m.cur_st)},'
-                     f'"placements":[{where}]}}')
-    return f'{{"matches":[{",".join(items)}],"dropped_without_live_holder":{int(dropped)}}}'.encode()
+def _placement_json(p: Any) -> str:
+    return (f'{{"instance_id":{json.dumps(p.instance_id)},"tier":{json.dumps(p.tier)},'
+            f'"backend":{json.dumps(p.backend)}}}')
+
+
+def encode_placed(matches: Sequence[BlendMatch], placements: Sequence[str], omitted: Sequence[int], dropped: int,
+                  truncated: bool) -> bytes:
+    """``{"matches": [{chunk_hash, old_st, cur_st, placements: [{instance_id, tier, backend}],
+    placements_omitted}], "dropped_without_live_holder": n, "placements_truncated": bool}`` as
+    JSON bytes; ``placements[i]``: match i's placements, already encoded (the text between the
+    brackets: :func:`_placement_json` items joined by commas)."""
+    items = [f'{{"chunk_hash":"{m.chunk_hash.hex()}","old_st":{int(m.old_st)},"cur_st":{int(m.cur_st)},'
+             f'"placements":[{where}],"placements_omitted":{int(k)}}}'
+             for m, where, k in zip(matches, placements, omitted, strict=True)]
+    return (f'{{"matches":[{",".join(items)}],"dropped_without_live_holder":{int(dropped)},'
+            f'"placements_truncated":{"true" if truncated else "false"}}}').encode()
+
+
+@dataclass(kw_only=True)
+class PlacementBudget:
+    """What one HTTP request's placement answers may hold (a single lookup, or every query
+    of a batch together): ``cap`` copies per match and ``bytes_left`` bytes of encoded
+    placements (module docstring). Touched by one thread at a time: the lookup thread runs
+    a request's finishers one after another (or the read thread, with blend lookup off).
+
+    ``omitted_cap`` / ``omitted_bytes`` / ``truncations``: the metrics' counters (``inc``),
+    or None. ``live``: who is live, read once per request (at its first placed query) so
+    that a batch's answers agree. ``seen``: per holder set and requester, the ranked answer
+    already built for this request (a batch of queries over one shared prompt ranks each
+    chunk once; the holder set is kept in the value, so its id is not reused meanwhile)."""
+
+    cap: int
+    bytes_left: int
+    omitted_cap: Any = None
+    omitted_bytes: Any = None
+    truncations: Any = None
+    truncated: bool = False
+    live: Optional[frozenset[str]] = None
+    seen: dict[tuple[int, Optional[str]], tuple[RankedCopies, str, int, int]] = field(default_factory=dict)
+
+    def placed(self, copies: RankedCopies, requester: Optional[str]) -> tuple[str, int, int]:
+        """``(encoded placements, copies kept, usable copies)`` of one match under the cap
+        (before the byte bound). Call with :attr:`live` set."""
+        key = (id(copies), requester)
+        got = self.seen.get(key)
+        if got is None or got[0] is not copies:
+            kept, usable = top_placements(copies, requester, self.live, self.cap)  # type: ignore[arg-type]
+            got = self.seen[key] = (copies, ",".join(map(_placement_json, kept)), len(kept), usable)
+        return got[1:]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,21 +122,48 @@ class _Finisher:
 
 @dataclass(frozen=True, kw_only=True)
 class PlacedMatches(_Finisher):
-    """Finisher of a lookup with ``include_placements`` (module docstring)."""
+    """Finisher of a lookup with ``include_placements`` (module docstring). ``budget``: the
+    request's (shared by a batch's queries)."""
 
     requester: Optional[str] = None
+    budget: PlacementBudget
     #: Counted by the reuse metrics as a blend lookup.
     lookup: ClassVar[bool] = True
 
     def __call__(self, matches: list[BlendMatch], tokens: np.ndarray) -> bytes:
-        _, live, stored = self.read(matches)
-        kept, where = [], []
-        for m, pls in zip(matches, stored, strict=True):
-            ranked = rank_placements(pls, self.requester, live)
-            if ranked:
-                kept.append(m)
-                where.append(ranked)
-        return encode_placed(kept, where, len(matches) - len(kept))
+        budget = self.budget
+        if budget.live is None:
+            budget.live = self.registry.live_ids()
+        ranked = self.directory.namespace_ranked([m.chunk_hash for m in matches], self.namespace)
+        kept: list[BlendMatch] = []
+        where: list[str] = []
+        omitted: list[int] = []
+        by_cap = by_bytes = 0
+        for m, copies in zip(matches, ranked, strict=True):
+            if copies is None:
+                continue
+            text, n, usable = budget.placed(copies, self.requester)
+            if not usable:
+                continue
+            kept.append(m)
+            if not budget.truncated and len(text) + 1 > budget.bytes_left:
+                budget.truncated = True
+                if budget.truncations is not None:
+                    budget.truncations.inc()
+            if budget.truncated:
+                where.append("")
+                omitted.append(usable)
+                by_bytes += usable
+                continue
+            budget.bytes_left -= len(text) + 1  # ASCII (json.dumps escapes): characters are bytes
+            where.append(text)
+            omitted.append(usable - n)
+            by_cap += usable - n
+        if by_cap and budget.omitted_cap is not None:
+            budget.omitted_cap.inc(by_cap)
+        if by_bytes and budget.omitted_bytes is not None:
+            budget.omitted_bytes.inc(by_bytes)
+        return encode_placed(kept, where, omitted, len(matches) - len(kept), budget.truncated)
 
 
 def prefix_placements(directory: KeyDirectory, hasher: TokenHasher, tokens: np.ndarray, namespace: BlendNamespace,

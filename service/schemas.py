@@ -170,18 +170,26 @@ class BlendMatchModel(BaseModel):
     old_st: int
     cur_st: int
     placements: list[MatchPlacementModel] | None = Field(default=None, description=(
-        "ours, only with include_placements: usable copies, best first"))
+        "ours, only with include_placements: usable copies, best first, at most --max-placements-per-match "
+        "(none once the answer's placements reached --max-placement-answer-bytes)"))
+    placements_omitted: int | None = Field(default=None, description=(
+        "ours, only with include_placements: usable copies of this match left out of placements (past the cap "
+        "or the byte bound)"))
 
 
 class BlendLookupResponse(BaseModel):
     """Matches in ascending ``cur_st``, at most one per position and one per chunk hash
     (LMCache's per-position rule); they may overlap. With ``include_placements`` each match
-    has ``placements`` and the answer ``dropped_without_live_holder``."""
+    has ``placements`` and ``placements_omitted``, and the answer ``dropped_without_live_holder`` and
+    ``placements_truncated``."""
 
     matches: list[BlendMatchModel] = Field(default_factory=list)
     dropped_without_live_holder: int | None = Field(default=None, description=(
         "ours, only with include_placements: matches left out because no live instance or shared "
         "pool holds their chunk"))
+    placements_truncated: bool | None = Field(default=None, description=(
+        "ours, only with include_placements: the request's placements reached --max-placement-answer-bytes at "
+        "or before this answer, so some matches list none"))
 
 
 class BlendBatchLookupRequest(BaseModel):

@@ -130,7 +130,7 @@ async def test_batch_mixes_placed_and_plain_queries_and_other_namespaces_see_not
         results = r.json()["results"]
         assert len(results[1]["matches"]) == 7 and results[1]["dropped_without_live_holder"] == 1
         assert _where(results[1]["matches"][1])[0] == ("A", "l1", "LocalCPUBackend")
-        assert results[2] == {"matches": [], "dropped_without_live_holder": 0}
+        assert results[2] == {"matches": [], "dropped_without_live_holder": 0, "placements_truncated": False}
 
 
 async def test_bad_options_are_a_422_naming_the_field():
@@ -146,7 +146,8 @@ async def test_placements_with_blend_lookup_disabled():
     async with served(config(enable_blend_lookup=False)) as (client, _):
         r = await client.post("/directory/blend-lookup", json={"token_ids": [1, 2], "model_name": MODEL,
                                                                "include_placements": True})
-        assert r.status_code == 200 and r.json() == {"matches": [], "dropped_without_live_holder": 0}
+        assert r.status_code == 200 and r.json() == {"matches": [], "dropped_without_live_holder": 0,
+                                                     "placements_truncated": False}
         r = await client.post("/directory/blend-lookup", json={"tokens_b64": "!!", "model_name": MODEL,
                                                                "include_placements": True})
         assert r.status_code == 422 and "tokens_b64" in r.text

@@ -262,8 +262,9 @@ def test_service_score_and_placements_match_the_oracle(app, seed, statuses, seqs
             dropped += 1
             continue
         want.append({"chunk_hash": m.chunk_hash.hex(), "old_st": m.old_st, "cur_st": m.cur_st,
-                     "placements": [{"instance_id": i, "tier": t, "backend": b} for i, t, b in usable]})
-    assert placed.json() == {"matches": want, "dropped_without_live_holder": dropped}
+                     "placements": [{"instance_id": i, "tier": t, "backend": b} for i, t, b in usable],
+                     "placements_omitted": 0})
+    assert placed.json() == {"matches": want, "dropped_without_live_holder": dropped, "placements_truncated": False}
 
     async def cleanup() -> None:  # the next example's default rows are its own live fleet
         for i in INSTANCES:
