@@ -53,7 +53,7 @@ from .blend_index import BlendIndex
 from .capacity import CapacityDeclarations, UsageLedger
 from .gate import Admission, IngestGate
 from .holders import HolderWatch
-from .indexable import NOT_INDEXABLE_REASONS, content_indexable, indexable_reason, namespace_indexable
+from .indexable import NOT_INDEXABLE_REASONS, entries_indexable, entry_indexable, indexable_reason, namespace_indexable
 from .logsafe import log_safe
 from .holder_log import find
 from .placements import L1, SHARED_POOL_INSTANCE, Placement
@@ -320,7 +320,7 @@ class IngestPath:
         entries = batch.entries
         if index is None or not fresh or not len(entries):  # fresh: a STORE's, None for the rest
             return False
-        return _whole_block_indexable(entries, index.chunk_size)
+        return entries_indexable(entries, index.chunk_size)
 
     def _config(self, batch: EventBatch) -> None:
         """Record one compartment of an instance's capacity declaration: a newer
@@ -346,11 +346,10 @@ class IngestPath:
         index = self.index
         if index is None:
             return
-        column = entries.tokens
         size = index.chunk_size
-        if not column.unfilled and column.rows_of_length(size) and -1 not in entries.offsets and _scopes_indexable(
-                entries.scopes):
+        if entries_indexable(entries, size):
             return
+        column = entries.tokens
         unfilled = set(column.unfilled)
         lengths = column.lengths
         bindings = self.store.bindings
@@ -511,7 +510,7 @@ class IngestPath:
         self.store.num_with_tokens += len(with_tokens)
         index = self.index
         if index is not None and len(rows) == len(entries) and len(with_tokens) == len(rows) \
-                and _whole_block_indexable(entries, index.chunk_size):
+                and entries_indexable(entries, index.chunk_size):
             # the whole batch (rows are then 0..n-1 in order): its token block as is
             self._adds.add_block(column.rows(range(len(rows))), entries.chunk_hashes, entries.offsets,
                                  _namespace_arg(entries.scopes), bs)
@@ -521,8 +520,7 @@ class IngestPath:
         queued = []
         for k in with_tokens:
             i = rows[k]
-            if index is not None and content_indexable(lengths[k], size, offsets[i]) and namespace_indexable(
-                    scopes[i].namespace):
+            if index is not None and entry_indexable(lengths[k], size, offsets[i], scopes[i].namespace):
                 queued.append(k)
             else:
                 bs[k].tokens = _own_copy(column.row(i))
@@ -608,15 +606,6 @@ class IngestPath:
                 "entries_not_indexable": dict(self.not_indexable)}
 
 
-def _scopes_indexable(scopes: list[KeyScope]) -> bool:
-    """No scope of the batch has a namespace that may not be claimed (one scope per batch
-    is the norm, compared by identity as scopes are interned)."""
-    first = scopes[0]
-    if scopes.count(first) == len(scopes):
-        return namespace_indexable(first.namespace)
-    return all(namespace_indexable(sc.namespace) for sc in set(scopes))
-
-
 def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[BlendNamespace]]:
     """``add_many``'s namespaces: one when the rows share it (the norm: one scope per
     batch, compared by identity as scopes are interned), else one per row."""
@@ -624,14 +613,6 @@ def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[Ble
     if scopes.count(first) == len(scopes):
         return first.namespace
     return [sc.namespace for sc in scopes]
-
-
-def _whole_block_indexable(entries: EntryColumns, chunk_size: int) -> bool:
-    """``indexable_reason`` is None for every entry, column-wise: each carries one chunk of
-    content (``chunk_size`` usable ids) at a known offset, for a namespace that may be
-    claimed. The batch's token block then goes to the buffer as it is."""
-    return (min(entries.offsets) >= 0 and entries.tokens.rows_of_length(chunk_size)
-            and _scopes_indexable(entries.scopes))
 
 
 def _own_copy(view: np.ndarray) -> np.ndarray:
