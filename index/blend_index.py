@@ -55,7 +55,6 @@ import numpy as np
 from blendmatch.gpu import Engine, FailoverEngine, select_engine
 
 from .blend_reads import IndexReads, PendingMatch
-from .blend_writes import FREE as _FREE
 from .blend_writes import IndexWrites, SessionState, WriteSession
 from .namespace_ids import NamespaceIds
 from .slots import FilterMode, SlotArray

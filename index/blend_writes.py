@@ -28,14 +28,13 @@ from .storage import Repeat
 from .tokens import as_token_rows, as_tokens
 from .types import UNKNOWN_TOKEN_OFFSET, BlendNamespace, check_chunk_hash, check_namespace, check_token_offset
 
-__all__ = ["FREE", "IndexWrites", "SessionState", "WriteSession"]
+__all__ = ["IndexWrites", "SessionState", "WriteSession"]
 
 log = logging.getLogger("blendmatch.index.blend_index")  # the name these messages always had
 
 _BYTES_ONLY = {bytes}
 _NONE = -1  # end of a linked list
-FREE = -2  # c_occ of a free content row (the checkpoint and the live-row scan read it too)
-_FREE = FREE
+_FREE = -2  # c_occ of a free content row
 
 
 class _Staged(NamedTuple):
