@@ -48,7 +48,7 @@ GC note: every binding is a GC-tracked object, so a full collection walks them a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -74,10 +74,6 @@ _L1_LOG_SLACK = 4096
 #: Interned values kept at most (placements, members tuples); past it the table starts
 #: over. Interning only saves memory; nothing relies on identity.
 _INTERN_MAX = 1 << 14
-
-
-def _nothing() -> None:
-    pass
 
 
 class FenceResult(NamedTuple):
@@ -133,7 +129,6 @@ class BindingStore:
         self.num_keys = 0
         self.num_placements = 0
         self.num_with_tokens = 0
-        self.before_index_write: Callable[[], None] = _nothing  # the ingest path's hold (ingest.py)
         self._interned: dict[Any, Any] = {}
         self._singles: dict[tuple[int, int], tuple[Member, ...]] = {}
 
@@ -357,7 +352,6 @@ class BindingStore:
         self.num_keys -= 1
         ns = scope.namespace
         if b.indexed and self.content_in_index(b) and all(sc.namespace != ns for sc, _ in rest):
-            self.before_index_write()
             self.index.remove_claim(b.tokens, h, ns)  # type: ignore[union-attr]
             if rest and not any(namespace_indexable(sc.namespace) for sc, _ in rest):
                 # that was the last claim (world-size-0 keys are never claimed): the index

@@ -4,7 +4,10 @@ Question answered: "does this applied STORE entry feed the blend index, and if n
 :func:`indexable_reason` is the rule; the ingest path (``ingest.py``) counts its answers in
 ``entries_not_indexable`` and claims content for a namespace only where it says None
 (:func:`content_indexable` and :func:`namespace_indexable` are its two halves, for the
-claims made when a key joins content stored earlier). Reasons, in order of precedence:
+claims made when a key joins content stored earlier). The ingest path asks it without a
+call per entry where it can: :func:`entries_indexable` (a whole STORE batch, column-wise)
+and :func:`entry_indexable` (one entry that carries ids) are the same rule, built from
+the same halves. Reasons, in order of precedence:
 
 - ``tokens_outside_uint32``: the entry's ids are not all token ids (its binding is left
   unfilled, ``wire.py``);
@@ -17,11 +20,15 @@ claims made when a key joins content stored earlier). Reasons, in order of prece
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from .types import BlendNamespace
 
-__all__ = ["NOT_INDEXABLE_REASONS", "content_indexable", "indexable_reason", "namespace_indexable"]
+if TYPE_CHECKING:
+    from .wire import EntryColumns, KeyScope
+
+__all__ = ["NOT_INDEXABLE_REASONS", "content_indexable", "entries_indexable", "entry_indexable", "indexable_reason",
+           "namespace_indexable", "scopes_indexable"]
 
 #: Why an applied STORE entry fed nothing to the blend index (at most one each, in this
 #: order of precedence; see the module docstring).
@@ -54,3 +61,28 @@ def indexable_reason(*, unfilled: bool, length: int, chunk_size: int, namespace:
     if length and not offset_known:
         return "token_offset_unknown"
     return None
+
+
+def entry_indexable(length: int, chunk_size: int, offset: int, namespace: BlendNamespace) -> bool:
+    """:func:`indexable_reason` is None for an entry that carries ``length`` usable ids
+    (not unfilled) at ``offset`` (-1 unknown) for ``namespace``."""
+    return content_indexable(length, chunk_size, offset) and namespace_indexable(namespace)
+
+
+def scopes_indexable(scopes: Sequence[KeyScope]) -> bool:
+    """No scope of a batch has a namespace that may not be claimed (one scope per batch is
+    the norm, compared by identity as scopes are interned)."""
+    first = scopes[0]
+    if scopes.count(first) == len(scopes):
+        return namespace_indexable(first.namespace)
+    return all(namespace_indexable(sc.namespace) for sc in set(scopes))
+
+
+def entries_indexable(entries: EntryColumns, chunk_size: int) -> bool:
+    """:func:`indexable_reason` is None for every entry of a (non-empty) STORE batch, asked
+    column-wise, without a call per entry: each carries one chunk of content
+    (``chunk_size`` usable ids, so none is unfilled: an unfilled entry has none) at a known
+    offset, for a namespace that may be claimed. (An offset is never below -1: the wire
+    refuses it.)"""
+    return (min(entries.offsets) >= 0 and entries.tokens.rows_of_length(chunk_size)
+            and scopes_indexable(entries.scopes))

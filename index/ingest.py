@@ -41,9 +41,10 @@ is, and each binding is built once. Measured: ``docs/performance.md``,
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from itertools import repeat
 from operator import itemgetter
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -52,7 +53,7 @@ from .blend_index import BlendIndex
 from .capacity import CapacityDeclarations, UsageLedger
 from .gate import Admission, IngestGate
 from .holders import HolderWatch
-from .indexable import NOT_INDEXABLE_REASONS, content_indexable, indexable_reason, namespace_indexable
+from .indexable import NOT_INDEXABLE_REASONS, entries_indexable, entry_indexable, indexable_reason, namespace_indexable
 from .logsafe import log_safe
 from .holder_log import find
 from .placements import L1, SHARED_POOL_INSTANCE, Placement
@@ -120,9 +121,9 @@ class _IndexAdds:
         self.bindings.extend(bindings)
         self.sent.extend(repeat(None, len(bindings)) if sent is None else sent)
 
-    def flush(self, index: Optional[BlendIndex], before_publish: Optional[Callable[[], None]] = None) -> None:
-        """Run the adds as one ``add_many`` (``before_publish``: its hook, the run's hold);
-        each binding keeps the index's row (no copy), else a private copy (never a view of
+    def flush(self, index: Optional[BlendIndex]) -> None:
+        """Run the adds as one ``add_many`` (in the run's write session: the hold starts at
+        its publish); each binding keeps the index's row (no copy), else a private copy (never a view of
         a batch's buffer)."""
         if self.blocks:
             assert index is not None  # only an enabled directory queues adds
@@ -135,7 +136,7 @@ class _IndexAdds:
                 arg = []
                 for ns, block in zip(nss, blocks):
                     arg.extend(repeat(ns, block.shape[0]) if isinstance(ns, BlendNamespace) else ns)
-            results = index.add_many(tokens, self.hashes, self.offsets, arg, before_publish)
+            results = index.add_many(tokens, self.hashes, self.offsets, arg)
             for k, (b, sent, row) in enumerate(zip(self.bindings, self.sent, results)):
                 if sent is None:
                     b.tokens = row if row is not None else _own_copy(tokens[k])
@@ -185,9 +186,7 @@ class IngestPath:
         self.usage = usage
         self.index = index
         self._adds = _IndexAdds()
-        self._holding = False  # the index's write lock is held until the run ends
         self.watch: Optional[HolderWatch] = None  # the holder-set hook (holders.py), if any
-        store.before_index_write = self._hold_index
         self.entries_stored = 0
         self.entries_deleted = 0
         self.entries_unfilled = 0
@@ -202,25 +201,23 @@ class IngestPath:
         result is its :class:`ApplyReport`, or the exception it raised (the others still
         apply; one that raised may be partly applied)."""
         out: list[Union[ApplyReport, Exception]] = []
-        try:
-            for parsed in requests:
-                try:
-                    out.append(self._apply_request(parsed))
-                except Exception as exc:  # noqa: BLE001 - reported to the caller per request
-                    self._flush()
-                    out.append(exc)
-        finally:
+        with self._write_session():
             try:
-                self._flush()
+                for parsed in requests:
+                    try:
+                        out.append(self._apply_request(parsed))
+                    except Exception as exc:  # noqa: BLE001 - reported to the caller per request
+                        self._flush()
+                        out.append(exc)
             finally:
-                self._release_index()
+                self._flush()
         return out
 
     def fence(self, instance_id: str) -> FenceResult:
         """Fence ``instance_id``'s private L1 placements (``BindingStore.fence``), seen by
         lookups all at once."""
         watch = self.watch
-        try:
+        with self._write_session():
             self._flush()
             if watch is None:
                 return self.store.fence(instance_id)
@@ -231,34 +228,25 @@ class IngestPath:
             finally:
                 watch.commit()
             return result
-        finally:
-            self._release_index()
+
+    def _write_session(self) -> AbstractContextManager[object]:
+        """The index's write session for a run (or a fence): its first index write that
+        lookups can see takes the index's writer and write locks and keeps them to the end,
+        so that a lookup sees all of the run's effect or none of it
+        (``BlendIndex.write_session``; lock order directory -> index writer -> index write
+        lock). Taken at the first such write, not at the start: verification waits from
+        there to the end of the run (for the steady state, a run of new content, that is
+        the publish of its one ``add_many``). No index: nothing to hold."""
+        return nullcontext() if self.index is None else self.index.write_session()
 
     def _flush(self) -> None:
         if self._adds.blocks:
-            if not self._holding:  # a new token block, if one is needed, is mapped before the hold
+            if not self.index.session_holds:  # type: ignore[union-attr]
+                # a new token block, if one is needed, is mapped before the hold
                 self.index.prepare_add(len(self._adds.hashes))  # type: ignore[union-attr]
         # The hold starts inside add_many, after its new contents are staged (copied into
         # rows no lookup reaches): verification waits for the publish, not for the copy.
-        self._adds.flush(self.index, self._hold_index)
-
-    def _hold_index(self) -> None:
-        """Before the first index write of a run that lookups can see: take the index's
-        writer and write locks and keep them to the end of the run, so that a lookup sees
-        all of the run's effect or none of it (``BlendIndex.write_lock``; lock order
-        directory -> index writer -> index write lock). Taken at the first such write, not
-        at the start: verification waits from there to the end of the run (for the steady
-        state, a run of new content, that is the publish of its one ``add_many``)."""
-        if not self._holding and self.index is not None:
-            self.index.writer_lock.acquire()
-            self.index.write_lock.acquire()
-            self._holding = True
-
-    def _release_index(self) -> None:
-        if self._holding:
-            self._holding = False
-            self.index.write_lock.release()  # type: ignore[union-attr]
-            self.index.writer_lock.release()  # type: ignore[union-attr]
+        self._adds.flush(self.index)
 
     def _apply_request(self, parsed: EventRequest) -> ApplyReport:
         applied = duplicates = stale = entries = 0
@@ -332,7 +320,7 @@ class IngestPath:
         entries = batch.entries
         if index is None or not fresh or not len(entries):  # fresh: a STORE's, None for the rest
             return False
-        return _whole_block_indexable(entries, index.chunk_size)
+        return entries_indexable(entries, index.chunk_size)
 
     def _config(self, batch: EventBatch) -> None:
         """Record one compartment of an instance's capacity declaration: a newer
@@ -358,11 +346,10 @@ class IngestPath:
         index = self.index
         if index is None:
             return
-        column = entries.tokens
         size = index.chunk_size
-        if not column.unfilled and column.rows_of_length(size) and -1 not in entries.offsets and _scopes_indexable(
-                entries.scopes):
+        if entries_indexable(entries, size):
             return
+        column = entries.tokens
         unfilled = set(column.unfilled)
         lengths = column.lengths
         bindings = self.store.bindings
@@ -523,7 +510,7 @@ class IngestPath:
         self.store.num_with_tokens += len(with_tokens)
         index = self.index
         if index is not None and len(rows) == len(entries) and len(with_tokens) == len(rows) \
-                and _whole_block_indexable(entries, index.chunk_size):
+                and entries_indexable(entries, index.chunk_size):
             # the whole batch (rows are then 0..n-1 in order): its token block as is
             self._adds.add_block(column.rows(range(len(rows))), entries.chunk_hashes, entries.offsets,
                                  _namespace_arg(entries.scopes), bs)
@@ -533,8 +520,7 @@ class IngestPath:
         queued = []
         for k in with_tokens:
             i = rows[k]
-            if index is not None and content_indexable(lengths[k], size, offsets[i]) and namespace_indexable(
-                    scopes[i].namespace):
+            if index is not None and entry_indexable(lengths[k], size, offsets[i], scopes[i].namespace):
                 queued.append(k)
             else:
                 bs[k].tokens = _own_copy(column.row(i))
@@ -572,7 +558,6 @@ class IngestPath:
         if b.indexed and self.store.content_in_index(b):
             pending.seal(self._adds, column)
             self._flush()
-            self._hold_index()
             self.index.remove_chunk(old, h)  # type: ignore[union-attr]
         self._set_content(b, view, offset, enabled)
         if enabled:
@@ -621,15 +606,6 @@ class IngestPath:
                 "entries_not_indexable": dict(self.not_indexable)}
 
 
-def _scopes_indexable(scopes: list[KeyScope]) -> bool:
-    """No scope of the batch has a namespace that may not be claimed (one scope per batch
-    is the norm, compared by identity as scopes are interned)."""
-    first = scopes[0]
-    if scopes.count(first) == len(scopes):
-        return namespace_indexable(first.namespace)
-    return all(namespace_indexable(sc.namespace) for sc in set(scopes))
-
-
 def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[BlendNamespace]]:
     """``add_many``'s namespaces: one when the rows share it (the norm: one scope per
     batch, compared by identity as scopes are interned), else one per row."""
@@ -637,14 +613,6 @@ def _namespace_arg(scopes: Sequence[KeyScope]) -> Union[BlendNamespace, list[Ble
     if scopes.count(first) == len(scopes):
         return first.namespace
     return [sc.namespace for sc in scopes]
-
-
-def _whole_block_indexable(entries: EntryColumns, chunk_size: int) -> bool:
-    """``indexable_reason`` is None for every entry, column-wise: each carries one chunk of
-    content (``chunk_size`` usable ids) at a known offset, for a namespace that may be
-    claimed. The batch's token block then goes to the buffer as it is."""
-    return (min(entries.offsets) >= 0 and entries.tokens.rows_of_length(chunk_size)
-            and _scopes_indexable(entries.scopes))
 
 
 def _own_copy(view: np.ndarray) -> np.ndarray:

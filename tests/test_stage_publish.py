@@ -35,22 +35,29 @@ def _state(index: BlendIndex) -> dict:
     return stats
 
 
-def test_staged_contents_are_invisible_until_published():
+def test_staged_contents_are_invisible_until_published(monkeypatch):
     index = BlendIndex(chunk_size=C, engine="cpu")
     old, new = _rows(1, 3), _rows(2, 40)
     index.add_many(old, [b"old-%d" % i for i in range(3)], [0, C, 2 * C], NS)
     query = np.concatenate([old[1], new[0], new[39]])
     seen: list = []
+    real_hold = BlendIndex._hold
 
-    def before_publish() -> None:
-        assert not index.write_lock._is_owned()  # staged without the lock lookups wait for
+    def hold(self) -> None:  # the write session takes its hold between staging and publishing
+        assert not self.write_lock._is_owned()  # staged without the lock lookups wait for
         # another thread's lookup runs now, between staging and publishing
-        t = threading.Thread(target=lambda: seen.append(index.match(query, NS)))
+        t = threading.Thread(target=lambda: seen.append(self.match(query, NS)))
         t.start()
         t.join()
+        real_hold(self)
+        assert self.write_lock._is_owned() and self.writer_lock._is_owned()
 
+    monkeypatch.setattr(BlendIndex, "_hold", hold)
     hashes = [b"new-%d" % i for i in range(40)]
-    views = index.add_many(new, hashes, np.arange(40) * C, NS, before_publish)
+    with index.write_session():
+        views = index.add_many(new, hashes, np.arange(40) * C, NS)
+        assert index.write_lock._is_owned()  # kept to the session's end
+    assert not index.write_lock._is_owned() and not index.writer_lock._is_owned()
     assert [m.chunk_hash for m in seen[0]] == [b"old-1"]
     assert [m.chunk_hash for m in index.match(query, NS)] == [b"old-1", b"new-0", b"new-39"]
     assert all(v is not None and np.array_equal(v, r) for v, r in zip(views, new))
@@ -71,7 +78,8 @@ def test_staging_gives_the_same_state_as_adding_under_the_lock():
         ix.add_many(rows[:100], hashes[:100], offsets[:100], nss[:100])
         for i in range(0, 60, 2):  # free contents, occupants and claims for reuse
             assert ix.remove_chunk(rows[i], hashes[i])
-    staged.add_many(rows[60:], hashes[60:], offsets[60:], nss[60:], lambda: None)
+    with staged.write_session():  # one part, staged whole before the hold
+        staged.add_many(rows[60:], hashes[60:], offsets[60:], nss[60:])
     for i in range(60, 300):
         locked.add(rows[i], hashes[i], int(offsets[i]), nss[i])
     assert _state(staged) == _state(locked)

@@ -298,3 +298,69 @@ async def test_b64_lookups_through_the_fast_path_answer_as_the_route():
         got = await fast_client.post("/directory/blend-lookup", content=cases[0].encode(),
                                      headers={"content-type": "application/json"})
         assert len(got.json()["matches"]) == 2
+
+
+# ---------------------------------------------------------------------------- the lookup fast path, differential
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_ABSENT = object()
+_lookup_fields = st.fixed_dictionaries({
+    # weighted to valid values, so that most bodies pass and their values are compared
+    "model_name": st.sampled_from([MODEL] * 6 + ["", 5, None, _ABSENT]),
+    "token_ids": st.one_of(st.just(_ABSENT), st.none(), st.just("1"),
+                           st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(-2, 2**33),
+                                              st.sampled_from([1.0, 1.5, True])), max_size=40),
+                           st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=3000)),
+    "tokens_b64": st.sampled_from([_ABSENT] * 6 + [None, "", "AQAAAA==", "AQAAAAIAAAA=", "!!", "AQ", 5, "AQAA\u00e9AAA"]),
+    "world_size": st.sampled_from([_ABSENT] * 3 + [1, 2, 0, 1.0, "2"]),
+    "cache_salt": st.sampled_from([_ABSENT] * 3 + ["", "t", 3]),
+    "extra": st.sampled_from([_ABSENT, 1, {"token_ids": [1]}, {"token_ids": [1]}, ["tokens_b64"]]),
+})
+
+
+def _errors(exc: Exception):
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return (type(exc).__name__, str(exc))
+    return [(e["type"], e["loc"], e["msg"]) for e in errors()]
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(_lookup_fields, st.randoms(use_true_random=False), st.booleans())
+def test_lookup_fast_path_agrees_with_the_model(fields, rnd, pretty):
+    """``fastpath.parse_body`` (with ``split_token_arrays`` and ``split_b64_value`` under it)
+    against the route's own model on the same bytes: the same accept or refuse (the same
+    errors), the same values; the ids it takes out are the model's ``token_ids``, the
+    string it leaves in place the model's ``tokens_b64``."""
+    from blendmatch.service.fastpath import parse_body
+    from blendmatch.service.schemas import BlendLookupRequest
+
+    items = [(k, v) for k, v in fields.items() if v is not _ABSENT]
+    rnd.shuffle(items)
+    if rnd.random() < 0.5:  # the b64 fast path wants the string first
+        items.sort(key=lambda kv: kv[0] != "tokens_b64")
+    raw = json.dumps(dict(items), indent=1 if pretty else None, ensure_ascii=False).encode()
+    saved = tokens_mod.SPLIT_MIN_BYTES
+    tokens_mod.SPLIT_MIN_BYTES = 0  # split bodies of any size
+    try:
+        try:
+            want = BlendLookupRequest.model_validate_json(raw)
+        except ValueError as exc:
+            want_err = _errors(exc)
+            with pytest.raises(ValueError) as got:
+                parse_body(BlendLookupRequest, raw)
+            assert _errors(got.value) == want_err, raw[:200]
+            return
+        model, taken = parse_body(BlendLookupRequest, raw)
+    finally:
+        tokens_mod.SPLIT_MIN_BYTES = saved
+    dump, want_dump = model.model_dump(), want.model_dump()
+    if taken is not None and want.token_ids is not None:  # ids taken out as uint32
+        assert model.token_ids == [] and np.asarray(taken).tolist() == want.token_ids
+        dump["token_ids"] = want_dump["token_ids"]
+    elif taken is not None:  # the tokens_b64 string left where it lies
+        assert model.tokens_b64 == "" and bytes(taken) == want.tokens_b64.encode()
+        dump["tokens_b64"] = want_dump["tokens_b64"]
+    assert dump == want_dump

@@ -15,6 +15,7 @@ several replicas, or records written by LMCache's own sink) is skipped by every 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from blendmatch.index.key_directory import ApplyReport, KeyDirectory
@@ -23,7 +24,33 @@ from blendmatch.index.wire import EventRequest
 
 from ..errors import TooManyInstances
 
-__all__ = ["apply_within_bound", "check_instance_bound"]
+__all__ = ["RunTally", "apply_within_bound", "check_instance_bound"]
+
+
+@dataclass
+class RunTally:
+    """What the requests applied in a stretch of runs did, summed (the Kafka source's
+    metrics per fetched stretch of the log; HTTP push reports each request on its own):
+    the batch counts, the entries of applied batches, the requests applied and the STORE
+    entries that fed nothing to the blend index, by reason."""
+
+    applied: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    entries: int = 0
+    requests: int = 0
+    not_indexable: dict[str, int] = field(default_factory=dict)
+
+    def add(self, report: ApplyReport) -> None:
+        """Count one applied request's report."""
+        c = report.counts
+        self.applied += c.applied
+        self.duplicates += c.duplicates
+        self.stale += c.stale
+        self.entries += report.entries_applied
+        self.requests += 1
+        for reason, n in report.not_indexable.items():
+            self.not_indexable[reason] = self.not_indexable.get(reason, 0) + n
 
 
 def apply_within_bound(directory: KeyDirectory, requests: list[EventRequest], max_instances: int | None,

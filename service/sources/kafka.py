@@ -74,7 +74,7 @@ from .producer import MAX_RECORD_BYTES, LogProducer
 from .topics import TopicPresence
 from .reaper import ReaperMembership
 from .control import apply_control
-from .instance_bound import apply_within_bound
+from .instance_bound import RunTally, apply_within_bound
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
                       decode_run, lmcache_record_value, split_run)
 
@@ -526,7 +526,7 @@ class KafkaSource:
         blend index in one insert), a control record applies between them in its place.
         Positions advance inside the same hold, so a checkpoint matches its state."""
         directory = self._directory
-        tally: list[Any] = [0, 0, 0, 0, 0, {}]  # applied, duplicates, stale, entries, event records, not indexable
+        tally = RunTally()
         nbytes = 0
         t0 = time.perf_counter()
         run: list[tuple[int, int, Any]] = []
@@ -552,19 +552,19 @@ class KafkaSource:
                     run = []
                     self._apply_control(directory, m, p, o)
             self._apply_run(directory, run, tally)
-        ok, dup, stale, entries, n_events, not_indexable = tally
         self._note_ingested(nbytes)
-        self.records_applied += n_events
-        self.entries_applied += entries
-        self.m_records.labels("events").inc(n_events)
-        self.m_entries.inc(entries)
-        self._metrics.observe_events(ok, dup, stale, time.perf_counter() - t0, entries, not_indexable)
+        self.records_applied += tally.requests
+        self.entries_applied += tally.entries
+        self.m_records.labels("events").inc(tally.requests)
+        self.m_entries.inc(tally.entries)
+        self._metrics.observe_events(tally.applied, tally.duplicates, tally.stale, time.perf_counter() - t0,
+                                     tally.entries, tally.not_indexable)
         for p in self._partitions:
             self.m_position.labels(str(p)).set(self._next.get(p, 0))
         with self._applied_cv:
             self._applied_cv.notify_all()
 
-    def _apply_run(self, directory: KeyDirectory, run: list[tuple[int, int, Any]], tally: list[Any]) -> None:
+    def _apply_run(self, directory: KeyDirectory, run: list[tuple[int, int, Any]], tally: RunTally) -> None:
         if not run:
             return
         reports = apply_within_bound(directory, [parsed for _, _, parsed in run], self.config.max_instances,
@@ -578,14 +578,7 @@ class KafkaSource:
                 log.error("record %s[%d]@%d failed to apply; skipped", self.topic, p, o, exc_info=report)
                 self._skip(p, o, "apply_error", f"{type(report).__name__}: {report}")
             else:
-                c = report.counts
-                tally[0] += c.applied
-                tally[1] += c.duplicates
-                tally[2] += c.stale
-                tally[3] += report.entries_applied
-                tally[4] += 1
-                for reason, n in report.not_indexable.items():
-                    tally[5][reason] = tally[5].get(reason, 0) + n
+                tally.add(report)
 
     def _skip(self, p: int, o: int, reason: str, detail: str) -> None:
         self.records_skipped += 1
