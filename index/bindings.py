@@ -32,7 +32,7 @@ State:
   ones keeping their chunk hash alive until the compaction: measured at 100k L1 keys, 300k
   deletes and stores took 2.01-2.02 s against 2.13-2.23 s with a set.
 
-Memory (issue 3: at most 1.6 KB per stored 256-token chunk, index included): one dict
+Memory (docs/performance.md, "Memory per chunk": at most 1.6 KB per stored 256-token chunk, index included): one dict
 entry, the chunk hash bytes (the very object the index keeps too), a 4-slot
 :class:`Binding` and the token row the index returns (a view of the index's storage: no
 copy of indexed tokens is kept here). Placements, key scopes and members tuples are

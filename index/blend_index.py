@@ -89,7 +89,7 @@ class BlendIndex(IndexReads, IndexWrites):
         # (verification waits for it). A bulk add stages its new contents under ``_writer``
         # alone, in rows no reader can reach until the fingerprint map and the slot array
         # name them, then publishes them under ``_lock``: the hold lookups wait for is the
-        # publish, not the copy (issue 28 item 2; ``_stage_new``).
+        # publish, not the copy (``_stage_new``; docs/architecture.md, "Locks and threads").
         self._writer = threading.RLock()
         self._lock = threading.RLock()
         self._session = SessionState()  # this index's write sessions, per thread (blend_writes.py)

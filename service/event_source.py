@@ -100,7 +100,7 @@ def _decode(raw: bytes, *split: Any) -> EventRequest:
 
 
 #: Smallest body whose split runs on the prepare thread (:func:`prepare_body`). Measured
-#: side by side with 4 posters (docs/performance.md, "Issue 28, third round"): a 1,000-entry
+#: side by side with 4 posters (docs/performance.md, "Where ingest's time goes"): a 1,000-entry
 #: body (1.4 MB, ~3.4 ms of split) gained 10-15% from the overlap; a 64-entry one (90 KB,
 #: ~0.2 ms) lost 8-10% to the extra thread hand-offs, so it is split on the events thread.
 PREPARE_MIN_BYTES = 256 << 10

@@ -179,7 +179,7 @@ class KafkaSource:
         self._restored_next = {int(p): int(o) for p, o in doc["next"].items()}
         self._next = dict(self._restored_next)
         self._hb_pos = {str(i): (int(p), int(o)) for i, (p, o) in doc.get("control", {}).items()}
-        self._topic_id = doc.get("topic_id")  # absent in checkpoints before issue 23: learnt at start
+        self._topic_id = doc.get("topic_id")  # absent in older checkpoints: learnt at start
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
