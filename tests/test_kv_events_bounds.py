@@ -299,3 +299,46 @@ def test_the_byte_gauges_are_exported():
         assert registry.get_sample_value("blendmatch_kv_events_replay_clients") == 0
     finally:
         pub.stop()
+
+
+def test_one_clients_requests_are_answered_in_order_and_past_four_queued_by_the_marker_alone():
+    """Seven requests at once from one client: the first and four queued get whole replays,
+    the last two the end marker alone, in the order asked."""
+    pub = _publisher()
+    ctx = zmq.Context()
+    try:
+        _fill(pub, 3, 4)
+        req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(pub.bound_replay_endpoint)
+        for start in (0, 1, 2, 0, 1, 0, 0):
+            req.send_multipart([b"", start.to_bytes(8, "big")])
+        answers: list[list[int]] = [[]]
+        while len(answers) <= 7:
+            assert req.poll(WAIT_MS), answers
+            frames = req.recv_multipart()
+            if frames[2] == END_SEQ:
+                answers.append([])
+            else:
+                answers[-1].append(int.from_bytes(frames[2], "big"))
+        assert answers[:7] == [[0, 1, 2], [1, 2], [2], [0, 1, 2], [1, 2], [], []]
+        assert pub.counters["replay_refused"] == 2 and pub.counters["replay_requests"] == 7
+        req.close(0)
+    finally:
+        pub.stop()
+        ctx.destroy(linger=0)
+
+
+def test_the_serve_flags_reach_the_publisher():
+    from blendmatch.service.config import ServiceConfig
+    from blendmatch.service.publish.setup import settings_from_config
+
+    config = ServiceConfig(kv_events_endpoint="tcp://127.0.0.1:*", kv_events_buffer_bytes=1 << 20,
+                           kv_events_max_queue_bytes=2 << 20, kv_events_max_message_bytes=1 << 16,
+                           kv_events_subscriber_bytes=1 << 22, kv_events_replay_client_bytes=1 << 18,
+                           kv_events_replay_bytes=1 << 19, kv_events_max_replays=3, kv_events_hwm=10)
+    s = settings_from_config(config)
+    assert (s.buffer_bytes, s.max_queue_bytes, s.max_message_bytes, s.subscriber_bytes, s.replay_client_bytes,
+            s.replay_bytes, s.max_replays) == (1 << 20, 2 << 20, 1 << 16, 1 << 22, 1 << 18, 1 << 19, 3)
+    assert s.pub_hwm == 10  # min(--kv-events-hwm, subscriber bytes / message bytes = 64)
+    assert settings_from_config(ServiceConfig(kv_events_endpoint="tcp://127.0.0.1:*")).pub_hwm == 256

@@ -68,6 +68,12 @@ BUFFERS = ("queue", "replay_buffer", "subscribers", "replay_clients")
 #: The ROUTER's high-water mark per client, in messages: the byte budgets bind first; this
 #: bounds what a refused client (answered at once, never tracked) can queue.
 REPLAY_HWM = 1000
+#: Live payloads of at least this many bytes go to libzmq zero-copy and tracked (counted in
+#: the ``subscribers`` gauge); smaller ones are copied, untracked: a tracker (an Event and a
+#: round trip through pyzmq's garbage thread) doubled the cost of publishing small messages.
+#: They are bounded all the same by the high-water mark: at most ``pub_hwm`` x this per
+#: subscriber (1 MiB at the defaults) is left out of the gauge.
+TRACK_MIN_BYTES = 4096
 
 
 class EndpointNotAllowed(ValueError):
@@ -395,9 +401,12 @@ class KVEventsPublisher:
             payload = enc.batch(ts, events, count=count)
             sb = seq_bytes(seq)
             self._buffer.append(topic, seq, payload)
-            frame = zmq.Frame(payload, copy=False, track=True)  # never copied; tracked: the gauge
-            pub.send_multipart((topic, sb, frame), flags=zmq.NOBLOCK)
-            self._live.add(frame.tracker, len(payload) + len(topic) + 8)
+            if len(payload) >= TRACK_MIN_BYTES:
+                frame = zmq.Frame(payload, copy=False, track=True)  # not copied; tracked: the gauge
+                pub.send_multipart((topic, sb, frame), flags=zmq.NOBLOCK)
+                self._live.add(frame.tracker, len(payload) + len(topic) + 8)
+            else:  # copied by pyzmq, untracked (a tracker costs more than such a message)
+                pub.send_multipart((topic, sb, payload), flags=zmq.NOBLOCK)
             self.counters["batches"] += 1
             if self._metrics:
                 self._metrics.observe(specs, seq)
