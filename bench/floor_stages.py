@@ -64,6 +64,13 @@ def _serve_stage(stage: str, argv: list[str]) -> int:  # pragma: no cover - runs
     from blendmatch.service import cli, event_source
 
     if stage != "full":
+        # compile first, with the real events path: the service's warm-up drives a scratch
+        # service through it and checks its answers (once per process, so serve's own
+        # compile step below returns at once)
+        from blendmatch.service.config import ServiceConfig
+        from blendmatch.service.warmup import compile_everything
+
+        compile_everything(ServiceConfig())
         real_decode = event_source._decode
 
         def cut(directory: Any, bodies: list[tuple[Any, ...]], max_instances: Any = None) -> list[Any]:
