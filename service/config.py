@@ -287,6 +287,30 @@ class ServiceConfig(BaseModel):
     kv_events_legacy_replay: bool = Field(
         default=False, description="replay answers without the topic frame (vLLM before #45177)",
         json_schema_extra={"group": _KV_EVENTS})
+    # every KV-events buffer is bounded in bytes (docs/kv-events.md#bounds)
+    kv_events_buffer_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1, description="bytes of messages kept for replay (with --kv-events-buffer-steps, "
+        "whichever bites first): the oldest are dropped", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_max_queue_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1, description="bytes of token rows and hashes waiting to be sent (with "
+        "--kv-events-max-queue-size); past it messages are dropped (counted, a seq gap), never blocking ingest",
+        json_schema_extra={"group": _KV_EVENTS})
+    kv_events_max_message_bytes: int = Field(
+        default=256 * 1024, ge=4096, description="a batch whose events would exceed this is split into several "
+        "messages (each its own seq)", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_subscriber_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1, description="bytes queued per slow PUB subscriber: the PUB socket's high-"
+        "water mark becomes min(--kv-events-hwm, this / --kv-events-max-message-bytes) messages",
+        json_schema_extra={"group": _KV_EVENTS})
+    kv_events_replay_client_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1, description="bytes queued to one replay client and not yet taken by it; "
+        "its replay waits past it", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_replay_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1, description="bytes queued to all replay clients together",
+        json_schema_extra={"group": _KV_EVENTS})
+    kv_events_max_replays: int = Field(
+        default=8, ge=1, description="clients replaying at once; a request from one more is answered at once with "
+        "the end-of-replay marker (counted as refused)", json_schema_extra={"group": _KV_EVENTS})
 
     @field_validator("hash_algorithm")
     @classmethod

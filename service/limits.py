@@ -72,6 +72,7 @@ from .counting_transport import CountingTransport
 from .lane import Lane, LaneCycle
 from .lane import finish as lane_finish
 from .lane import start as lane_start
+from .ratelog import RateLimitedLog
 
 __all__ = ["HttpLimits", "LINGER_S", "LOG_INTERVAL_S", "LIMIT_KINDS", "raise_open_file_limit"]
 
@@ -85,26 +86,6 @@ LOG_INTERVAL_S = 10.0
 #: The ``limit`` label values of ``blendmatch_http_limit_rejections_total``.
 LIMIT_KINDS = ("header_bytes", "header_timeout", "body_timeout", "connections", "bytes_in_flight",
                "malformed")
-
-
-class _RateLimitedLog:
-    """One WARNING per kind per ``interval`` seconds, saying how many were not logged."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def warn(self, kind: str, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.interval:
-            self._quiet[kind] = self._quiet.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        quiet = self._quiet.pop(kind, 0)
-        suffix = f" ({quiet} more since the last such line)" if quiet else ""
-        log.warning(message + "%s", *args, suffix)
 
 
 def _answer(status: int, detail: str) -> bytes:
@@ -139,7 +120,7 @@ class HttpLimits:
         self.in_flight = 0
         self.refusals: dict[str, int] = dict.fromkeys(LIMIT_KINDS, 0)
         self._on_reject = on_reject
-        self._log = _RateLimitedLog(LOG_INTERVAL_S)
+        self._log = RateLimitedLog(log, LOG_INTERVAL_S)
         self._timer: asyncio.TimerHandle | None = None
         self._counter: Any = None
         if registry is not None:

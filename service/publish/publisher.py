@@ -12,14 +12,21 @@ thread encodes (``wire.py``) and sends them. So:
   the same log publish byte-identical ``(topic, seq, payload)`` streams, and a restarted
   replica (seq in its checkpoint, section ``kv_events``) re-publishes from its checkpoint
   the very messages it had published (a subscriber drops seqs it has seen).
-- **never blocks ingest**: the sink only numbers and queues; a full queue drops the
-  message (its seq is spent: subscribers see a gap and may replay it from another replica)
-  and counts it. ZMQ's own per-subscriber high-water mark (``--kv-events-hwm``) drops
-  silently for a slow subscriber, as in vLLM; its seq gap tells it to replay.
-- **replay** (vLLM's protocol): a request is one frame, the 8-byte big-endian start seq;
-  the answer is every buffered message with seq >= start as ``[identity, b"", topic, seq,
-  payload]`` (``legacy_replay``: without the topic frame, as vLLM before #45177), then the
-  end marker seq -1 with an empty payload. Anything else is ignored and counted.
+- **never blocks ingest**: the sink only numbers and queues; a full queue (in messages or
+  in bytes) drops the message (its seq is spent: subscribers see a gap and may replay it
+  from another replica) and counts it.
+- **bounded in bytes** (docs/kv-events.md#bounds): the queue by ``max_queue_bytes`` (each
+  message counted at the bound of its encoded size, :func:`plan_messages`, which is above
+  the token rows and hashes it holds); a message by ``max_message_bytes`` (a bigger batch
+  is split, each part its own seq); each PUB subscriber's queue by its high-water mark in
+  messages, ``min(hwm, subscriber_bytes // max_message_bytes)``, so by
+  ``subscriber_bytes``; the replay ring and the replay clients in ``replay.py``. Payloads
+  go to libzmq zero-copy and tracked: the gauges say what libzmq still holds.
+- **replay** (vLLM's protocol, ``replay.py``): a request is one frame, the 8-byte
+  big-endian start seq; the answer is every buffered message with seq >= start as
+  ``[identity, b"", topic, seq, payload]`` (``legacy_replay``: without the topic frame, as
+  vLLM before #45177), then the end marker seq -1 with an empty payload, sent as the
+  client's byte budget allows. Anything else is ignored and counted.
 - **fences**: on each topic of a fenced instance, ``AllBlocksCleared`` when the fence
   leaves nothing on the topic (the usual case: only its L1 is there), else
   ``BlockRemoved`` of the fenced chunks (its private L2 copies outlive a restart).
@@ -38,17 +45,29 @@ import ipaddress
 import logging
 import queue
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from blendmatch.index.holders import HolderChanges, HolderWatch
 
-from .wire import END_SEQ, EventEncoder, medium_of, seq_bytes, topic_of
+from .replay import InFlight, ReplayRing, ReplayServer
+from .wire import EventEncoder, medium_of, seq_bytes, topic_of
 
-__all__ = ["KVEventsSettings", "KVEventsPublisher", "EndpointNotAllowed", "is_bind_endpoint", "is_local_endpoint"]
+__all__ = ["KVEventsSettings", "KVEventsPublisher", "EndpointNotAllowed", "is_bind_endpoint", "is_local_endpoint",
+           "plan_messages", "BUFFERS"]
 
 log = logging.getLogger(__name__)
+
+#: Bytes of a message besides its events (the ``EventBatch`` array, ts, rank), bounded.
+MESSAGE_OVERHEAD = 64
+#: Bytes of one event besides its block hashes, token ids and medium (keys and fixed
+#: fields: ``BlockStored`` writes about 130), bounded.
+EVENT_OVERHEAD = 160
+#: The ``buffer`` label values of ``blendmatch_kv_events_bytes``.
+BUFFERS = ("queue", "replay_buffer", "subscribers", "replay_clients")
+#: The ROUTER's high-water mark per client, in messages: the byte budgets bind first; this
+#: bounds what a refused client (answered at once, never tracked) can queue.
+REPLAY_HWM = 1000
 
 
 class EndpointNotAllowed(ValueError):
@@ -71,6 +90,22 @@ class KVEventsSettings:
     expose: bool = False
     curve_secret_key_file: Optional[str] = None
     curve_clients_dir: Optional[str] = None
+    #: byte bounds (``ServiceConfig``'s ``kv_events_*_bytes``, ``kv_events_max_replays``)
+    buffer_bytes: int = 64 << 20
+    max_queue_bytes: int = 64 << 20
+    max_message_bytes: int = 256 << 10
+    subscriber_bytes: int = 64 << 20
+    replay_client_bytes: int = 16 << 20
+    replay_bytes: int = 64 << 20
+    max_replays: int = 8
+
+    @property
+    def pub_hwm(self) -> int:
+        """The PUB socket's high-water mark in messages: ``hwm`` (0: none) and at most
+        ``subscriber_bytes // max_message_bytes``, so a subscriber's queue stays within
+        ``subscriber_bytes``."""
+        by_bytes = max(1, self.subscriber_bytes // self.max_message_bytes)
+        return min(self.hwm, by_bytes) if self.hwm else by_bytes
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -109,13 +144,22 @@ class KVEventsPublisher:
                     f"(docs/security.md)")
         if settings.buffer_steps < 1 or settings.hwm < 0 or settings.max_queue < 1:
             raise ValueError("kv-events buffer steps and queue size must be >= 1, hwm >= 0")
+        sizes = {name: getattr(settings, name) for name in ("buffer_bytes", "max_queue_bytes", "subscriber_bytes",
+                                                            "replay_client_bytes", "replay_bytes", "max_replays")}
+        if min(sizes.values()) < 1 or settings.max_message_bytes < 4096:
+            raise ValueError(f"kv-events byte bounds and max_replays must be >= 1 and max_message_bytes >= 4096, "
+                             f"got {sizes}, max_message_bytes {settings.max_message_bytes}")
         self.settings = settings
         self.encoder = EventEncoder(settings.encoding, settings.int_hashes)
         self.watch = HolderWatch(self.sink)
         self._next_seq = 0
         self._counts: dict[str, dict[str, int]] = {}  # topic -> medium -> chunks published there
         self._queue: queue.Queue = queue.Queue(maxsize=settings.max_queue)
-        self._buffer: deque[tuple[bytes, int, bytes]] = deque(maxlen=settings.buffer_steps)
+        self._queued_bytes = 0  # the queue's items, at plan_messages' bound; under _queued_lock
+        self._queued_lock = threading.Lock()
+        self._buffer = ReplayRing(settings.buffer_steps, settings.buffer_bytes)
+        self._live = InFlight()  # payloads the PUB socket still holds for some subscriber
+        self._replays: Optional[ReplayServer] = None
         self._thread: Optional[threading.Thread] = None
         self._running = False
         self._ctx: Any = None
@@ -125,9 +169,9 @@ class KVEventsPublisher:
         self.bound_endpoint: Optional[str] = None
         self.bound_replay_endpoint: Optional[str] = None
         self.counters = {"batches": 0, "dropped": 0, "tokenless": 0, "send_errors": 0, "replay_requests": 0,
-                         "replay_bad_requests": 0, "replayed": 0}
+                         "replay_bad_requests": 0, "replay_refused": 0}
         self.events = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
-        self._metrics = _Metrics(registry) if registry is not None else None
+        self._metrics = _Metrics(registry, self) if registry is not None else None
 
     # ------------------------------------------------------------------ the sink (directory lock held)
     def sink(self, changes: HolderChanges) -> None:
@@ -168,11 +212,20 @@ class KVEventsPublisher:
         if not msgs:
             return
         item = []
+        cost = 0
+        cap = self.settings.max_message_bytes
         for topic, specs in msgs.items():
-            item.append((topic.encode(), self._next_seq, changes.ts, specs))
-            self._next_seq += 1
+            for part, nbytes in plan_messages(specs, cap):
+                item.append((topic.encode(), self._next_seq, changes.ts, part, nbytes))
+                self._next_seq += 1
+                cost += nbytes
         try:
-            self._queue.put_nowait(item)
+            with self._queued_lock:
+                # an empty queue takes any batch (one batch over the bound goes alone)
+                if self._queued_bytes and self._queued_bytes + cost > self.settings.max_queue_bytes:
+                    raise queue.Full
+                self._queue.put_nowait(item)
+                self._queued_bytes += cost
         except queue.Full:
             self.counters["dropped"] += len(item)
             if self._metrics:
@@ -210,7 +263,7 @@ class KVEventsPublisher:
         try:
             curve = self._curve_keys(zmq)
             pub = self._pub = self._ctx.socket(zmq.PUB)
-            pub.setsockopt(zmq.SNDHWM, s.hwm)
+            pub.setsockopt(zmq.SNDHWM, s.pub_hwm)
             pub.setsockopt(zmq.LINGER, 0)
             self._secure(pub, curve)
             if is_bind_endpoint(s.endpoint):
@@ -221,11 +274,15 @@ class KVEventsPublisher:
                 self.bound_endpoint = s.endpoint
             if s.replay_endpoint:
                 rep = self._replay = self._ctx.socket(zmq.ROUTER)
-                rep.setsockopt(zmq.SNDHWM, 2 * (s.buffer_steps + 1))  # a full replay plus its marker
+                rep.setsockopt(zmq.SNDHWM, REPLAY_HWM)  # the byte budgets bind first (replay.py)
+                rep.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a client that left fails the send: its cursor goes
                 rep.setsockopt(zmq.LINGER, 0)
                 self._secure(rep, curve)
                 rep.bind(s.replay_endpoint)
                 self.bound_replay_endpoint = rep.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._replays = ReplayServer(rep, self._buffer, legacy=s.legacy_replay,
+                                             client_bytes=s.replay_client_bytes, total_bytes=s.replay_bytes,
+                                             max_clients=s.max_replays, count=self._count_replay)
         except Exception:
             self._close()
             raise
@@ -272,7 +329,7 @@ class KVEventsPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
-        self._pub = self._replay = None
+        self._pub = self._replay = self._replays = None
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -282,12 +339,24 @@ class KVEventsPublisher:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        import zmq
+
         get = self._queue.get
         while self._running or not self._queue.empty():
-            if self._replay is not None:
-                self._serve_replays()
+            busy = False
+            if self._replays is not None:
+                try:
+                    busy = self._replays.serve()
+                except Exception:  # noqa: BLE001 - the thread must outlive any one request
+                    self.counters["send_errors"] += 1
+                    log.exception("kv-events: a replay could not be served")
+            if len(self._live):
+                # libzmq frees a departed subscriber's queue when the socket processes its
+                # commands, which it does only when called: ask it for its events
+                self._pub.getsockopt(zmq.EVENTS)
+                self._live.reap()
             try:
-                item = get(timeout=0.02)
+                item = get(block=not busy, timeout=0.02)
             except queue.Empty:
                 continue
             try:
@@ -296,6 +365,8 @@ class KVEventsPublisher:
                 self.counters["send_errors"] += 1
                 log.exception("kv-events: a message could not be sent")
             finally:
+                with self._queued_lock:
+                    self._queued_bytes -= sum(message[4] for message in item)
                 self._queue.task_done()
 
     def _send(self, item: list[tuple]) -> None:
@@ -303,7 +374,7 @@ class KVEventsPublisher:
 
         enc = self.encoder
         pub = self._pub
-        for topic, seq, ts, specs in item:
+        for topic, seq, ts, specs, _ in item:
             events: list[bytes] = []
             count = 0
             for spec in specs:
@@ -323,52 +394,41 @@ class KVEventsPublisher:
                     count += 1
             payload = enc.batch(ts, events, count=count)
             sb = seq_bytes(seq)
-            self._buffer.append((topic, seq, payload))
-            pub.send_multipart((topic, sb, payload), flags=zmq.NOBLOCK, copy=len(payload) < 65536)
+            self._buffer.append(topic, seq, payload)
+            frame = zmq.Frame(payload, copy=False, track=True)  # never copied; tracked: the gauge
+            pub.send_multipart((topic, sb, frame), flags=zmq.NOBLOCK)
+            self._live.add(frame.tracker, len(payload) + len(topic) + 8)
             self.counters["batches"] += 1
             if self._metrics:
                 self._metrics.observe(specs, seq)
 
-    def _serve_replays(self) -> None:
-        import zmq
-
-        rep = self._replay
-        for _ in range(16):  # a few per pass: the queue is the critical path
-            try:
-                frames = rep.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.counters["replay_requests"] += 1
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                self.counters["replay_bad_requests"] += 1
-                if self._metrics:
-                    self._metrics.replays.labels("bad").inc()
-                log.warning("kv-events: ignored a bad replay request (%d frames, sizes %s)", len(frames),
-                            [len(f) for f in frames[:4]])
-                continue
-            if self._metrics:
-                self._metrics.replays.labels("ok").inc()
-            ident = frames[0]
-            start = int.from_bytes(frames[2], "big")
-            legacy = self.settings.legacy_replay
-            try:
-                for topic, seq, payload in list(self._buffer):
-                    if seq >= start:
-                        parts = (ident, b"", seq_bytes(seq), payload) if legacy else \
-                            (ident, b"", topic, seq_bytes(seq), payload)
-                        rep.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)  # the buffer's bytes
-                        self.counters["replayed"] += 1
-                rep.send_multipart((ident, b"", END_SEQ, b"") if legacy else (ident, b"", b"", END_SEQ, b""),
-                                   flags=zmq.NOBLOCK)
-            except zmq.Again:  # the requester stopped reading: its replay is cut short
-                self.counters["send_errors"] += 1
+    def _count_replay(self, outcome: str) -> None:
+        self.counters["replay_requests"] += 1
+        if outcome == "bad":
+            self.counters["replay_bad_requests"] += 1
+        elif outcome == "refused":
+            self.counters["replay_refused"] += 1
+        if self._metrics:
+            self._metrics.replays.labels(outcome).inc()
 
     # ------------------------------------------------------------------ reads
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes held per buffer (:data:`BUFFERS`): the queue at its messages' encoded-size
+        bound, the replay ring, and what libzmq still holds of the payloads handed to it for
+        PUB subscribers and replay clients (shared between subscribers: counted once)."""
+        replays = self._replays
+        return {"queue": self._queued_bytes, "replay_buffer": self._buffer.bytes, "subscribers": self._live.bytes,
+                "replay_clients": replays.bytes if replays is not None else 0}
+
     def stats(self) -> dict[str, Any]:
+        replays = self._replays
         return {"endpoint": self.bound_endpoint, "replay_endpoint": self.bound_replay_endpoint,
                 "encoding": self.settings.encoding, "int_hashes": self.settings.int_hashes,
                 "next_seq": self._next_seq, "queued": self._queue.qsize(), "buffered": len(self._buffer),
-                **self.counters, "events": dict(self.events)}
+                "buffer_evicted": self._buffer.evicted, "pub_hwm": self.settings.pub_hwm,
+                "replay_clients": replays.clients if replays is not None else 0,
+                "replayed": replays.replayed if replays is not None else 0,
+                **self.counters, "bytes": self.held_bytes(), "events": dict(self.events)}
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Until every queued message was sent (tests, benchmarks); False on timeout."""
@@ -383,7 +443,7 @@ class KVEventsPublisher:
 
 
 class _Metrics:
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: Any, pub: KVEventsPublisher) -> None:
         from prometheus_client import Counter, Gauge
 
         r = registry
@@ -395,7 +455,14 @@ class _Metrics:
         self.tokenless = Counter("blendmatch_kv_events_tokenless", "first placements of chunks without tokens, "
                                                                    "not published", registry=r)
         self.replays = Counter("blendmatch_kv_events_replay_requests", "replay requests, by outcome (ok, bad: "
-                                                                       "ignored)", ["outcome"], registry=r)
+                                                                       "ignored, refused: answered with the end "
+                                                                       "marker alone)", ["outcome"], registry=r)
+        held = Gauge("blendmatch_kv_events_bytes", "bytes held per KV-events buffer (queue, replay_buffer, "
+                     "subscribers, replay_clients)", ["buffer"], registry=r)
+        for name in BUFFERS:
+            held.labels(name).set_function(lambda name=name: pub.held_bytes()[name])
+        Gauge("blendmatch_kv_events_replay_clients", "clients with a replay under way or not yet taken",
+              registry=r).set_function(lambda: pub._replays.clients if pub._replays is not None else 0)
         self.seq = Gauge("blendmatch_kv_events_last_seq", "seq of the last message published", registry=r)
 
     def observe(self, specs: list[tuple], seq: int) -> None:
@@ -408,3 +475,51 @@ class _Metrics:
             else:
                 self.events.labels("AllBlocksCleared").inc()
         self.seq.set(seq)
+
+
+def plan_messages(specs: list[tuple], cap: int) -> list[tuple[list[tuple], int]]:
+    """One topic's event specs of one batch boundary cut into messages of at most ``cap``
+    encoded bytes, in order: ``[(specs, bound of the encoded size), ...]``. A spec is cut
+    between chunks (a ``stored`` or ``removed`` part per message); a single chunk larger
+    than ``cap`` goes alone. The bound per chunk: its hash + 9, 5 bytes per token (msgpack's
+    widest uint32), :data:`EVENT_OVERHEAD` and the medium, per event; so it also bounds the
+    memory a queued message holds (4 bytes per token, the hashes, Python's headers)."""
+    out: list[tuple[list[tuple], int]] = []
+    cur: list[tuple] = []
+    size = MESSAGE_OVERHEAD
+    for spec in specs:
+        kind = spec[0]
+        if kind not in ("stored", "removed"):
+            if cur and size + EVENT_OVERHEAD > cap:
+                out.append((cur, size))
+                cur, size = [], MESSAGE_OVERHEAD
+            cur.append(spec)
+            size += EVENT_OVERHEAD
+            continue
+        hashes = spec[1]
+        n = len(hashes)
+        per = max(map(len, hashes), default=0) + 9
+        if kind == "stored":
+            tokens = spec[2]
+            per += 5 * (tokens.shape[1] if getattr(tokens, "ndim", 0) == 2 else max(map(len, tokens), default=0))
+        fixed = EVENT_OVERHEAD + len(spec[-1]) + 8
+        if size + fixed + n * per <= cap:  # the usual case: whole
+            cur.append(spec)
+            size += fixed + n * per
+            continue
+        i = 0
+        while i < n:
+            k = (cap - size - fixed) // per
+            if k <= 0 and cur:
+                out.append((cur, size))
+                cur, size = [], MESSAGE_OVERHEAD
+                continue
+            j = min(n, i + max(1, k))
+            part = ("stored", hashes[i:j], spec[2][i:j], spec[3]) if kind == "stored" else \
+                ("removed", hashes[i:j], spec[2])
+            cur.append(part)
+            size += fixed + (j - i) * per
+            i = j
+    if cur:
+        out.append((cur, size))
+    return out

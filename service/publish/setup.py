@@ -29,7 +29,11 @@ def settings_from_config(config: Any) -> KVEventsSettings:
         buffer_steps=config.kv_events_buffer_steps, hwm=config.kv_events_hwm, encoding=config.kv_events_encoding,
         int_hashes=config.kv_events_int_hashes, legacy_replay=config.kv_events_legacy_replay,
         max_queue=config.kv_events_max_queue_size, expose=bool(grant.get("expose", False)),
-        curve_secret_key_file=path("curve_secret_key_file"), curve_clients_dir=path("curve_clients_dir"))
+        curve_secret_key_file=path("curve_secret_key_file"), curve_clients_dir=path("curve_clients_dir"),
+        buffer_bytes=config.kv_events_buffer_bytes, max_queue_bytes=config.kv_events_max_queue_bytes,
+        max_message_bytes=config.kv_events_max_message_bytes, subscriber_bytes=config.kv_events_subscriber_bytes,
+        replay_client_bytes=config.kv_events_replay_client_bytes, replay_bytes=config.kv_events_replay_bytes,
+        max_replays=config.kv_events_max_replays)
 
 
 def build_publisher(config: Any, registry: Any = None) -> KVEventsPublisher:
