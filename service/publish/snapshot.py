@@ -108,6 +108,10 @@ def _child(directory: Any, encoder: EventEncoder, ts: float, wfd: int, page_bloc
                 signal.signal(sig, signal.SIG_DFL)
             except (ValueError, OSError):
                 pass
+        # every other descriptor goes: the parent's sockets (a client's TCP connection, the
+        # listening ports) must close when the parent closes them, not when this child exits
+        os.closerange(3, wfd)
+        os.closerange(wfd + 1, _max_fd())
         import gc
 
         gc.disable()
@@ -123,6 +127,13 @@ def _child(directory: Any, encoder: EventEncoder, ts: float, wfd: int, page_bloc
             pass
     finally:
         os._exit(code)
+
+
+def _max_fd() -> int:
+    try:
+        return min(os.sysconf("SC_OPEN_MAX"), 1 << 20)
+    except (ValueError, OSError):
+        return 65536
 
 
 def _write_all(fd: int, data: bytes) -> None:
