@@ -62,7 +62,10 @@ def holder_entries(directory: Any) -> list[tuple[str, str, bytes]]:
     public reads. Call with the directory's lock held or in a forked copy."""
     keys = directory.list_keys(limit=None)
     hashes = list(dict.fromkeys(kp.key.chunk_hash for kp in keys))
-    known = {h for h, t in zip(hashes, directory.get_token_ids(hashes)) if t is not None} if hashes else set()
+    known: set[bytes] = set()
+    for k in range(0, len(hashes), 4096):  # a slice at a time: token copies are ~1 KB each
+        part = hashes[k:k + 4096]
+        known.update(h for h, t in zip(part, directory.get_token_ids(part)) if t is not None)
     out: set[tuple[str, str, bytes]] = set()
     for kp in keys:
         h = kp.key.chunk_hash
