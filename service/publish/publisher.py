@@ -388,8 +388,9 @@ class KVEventsPublisher:
                 # commands, which it does only when called: ask it for its events
                 self._pub.getsockopt(zmq.EVENTS)
                 self._live.reap()
-            try:
-                item = get(block=not busy, timeout=0.02)
+            snaps = self._replays.snapshots if self._replays is not None else None
+            try:  # a snapshot under way waits on its writer's pipe: look again soon
+                item = get(block=not busy, timeout=0.001 if snaps is not None and snaps.active else 0.02)
             except queue.Empty:
                 continue
             try:

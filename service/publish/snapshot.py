@@ -22,7 +22,8 @@ the pages into a pipe and exits; the parent's thread drains the pipe page by pag
 client's byte budget allows, so what this process holds per snapshot is one page plus the
 pipe (64 KiB) plus the pages libzmq holds for the client (within ``client_bytes``).
 
-**Memory at 1M chunks**: the parent, one page (``page_bytes``) + the pipe + the budget. The
+**Memory at 1M chunks**: the parent, one page (``page_bytes``) + the pipe + the budget
+(about 18 MiB with the defaults, whatever the size of the state). The
 child: copy-on-write pages the parent rewrites meanwhile (ingest's writes during the
 snapshot), plus the sorted list of ``(topic, medium, hash)`` it builds (about 150 bytes an
 entry: ~150 MB at 1M chunks on one spot each) and one page's token rows at a time.
@@ -130,6 +131,20 @@ def _child(directory: Any, encoder: EventEncoder, ts: float, wfd: int, page_bloc
             pass
     finally:
         os._exit(code)
+
+
+#: The pipe's size: a page at once where Linux allows (``/proc/sys/fs/pipe-max-size``,
+#: 1 MiB by default), so the publisher's thread reads a page in one call.
+PIPE_BYTES = 1 << 20
+
+
+def _widen(fd: int, page_bytes: int) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, min(PIPE_BYTES, page_bytes + 65536))
+    except (ImportError, AttributeError, OSError):
+        pass  # the default 64 KiB: slower, as correct
 
 
 def _max_fd() -> int:
@@ -305,6 +320,7 @@ def fork_pager(directory: Any, encoder: EventEncoder, seq_now: Callable[[], int]
         seq = seq_now()  # N = S + 1: the first live seq the consumer applies after the pages
         ts = ts_now()
         rfd, wfd = os.pipe()
+        _widen(wfd, page_bytes)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             os.close(rfd)
