@@ -235,3 +235,46 @@ def _until(check, timeout: float = WAIT_MS / 1000) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def test_the_follower_reconnects_after_a_restart_and_rebootstraps_when_the_ring_lost_its_gap():
+    """The publisher restarts on the same endpoints with its seq (a checkpoint's section);
+    what it publishes before the follower's sockets reconnect is more than its 3-message
+    ring: the follower sees the gap, the replay cannot fill it, it bootstraps again (on_reset
+    first) and ends with exactly the holder set."""
+    pub = _publisher(buffer_steps=3)
+    d = _directory(pub)
+    work = Workload(seed=55, chunk_size=CHUNK)
+    ctx = zmq.Context()
+    try:
+        work.run(d, 100)
+        assert pub.wait_idle(WAIT_MS / 1000)
+        index = Index("map")
+        f = KVEventsFollower(pub.bound_endpoint, pub.bound_replay_endpoint, ctx=ctx, timeout_s=10)
+        f.bootstrap(index.apply, index.reset)
+        work.run(d, 20)
+        assert pub.wait_idle(WAIT_MS / 1000)
+        f.catch_up(index.apply, pub.next_seq, index.reset)
+        assert f.bootstraps == 1
+        section = pub.snapshot()
+        endpoints = (pub.bound_endpoint, pub.bound_replay_endpoint)
+        pub.stop()
+        pub = KVEventsPublisher(KVEventsSettings(endpoint=endpoints[0], replay_endpoint=endpoints[1],
+                                                 buffer_steps=3))
+        pub.restore(section)
+        pub.start()
+        pub.attach_directory(d)
+        work.run(d, 100)  # published before the follower is back
+        assert pub.wait_idle(WAIT_MS / 1000)
+        assert pub.next_seq > section["next_seq"] + 3
+        f.catch_up(index.apply, pub.next_seq, index.reset)
+        assert f.bootstraps == 2 and index.resets == 2
+        assert index.holders == expected_holders(d)
+        work.run(d, 30)  # and it follows live again
+        assert pub.wait_idle(WAIT_MS / 1000)
+        f.catch_up(index.apply, pub.next_seq, index.reset)
+        assert index.holders == expected_holders(d)
+        f.close()
+    finally:
+        pub.stop()
+        ctx.destroy(linger=0)
