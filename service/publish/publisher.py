@@ -462,6 +462,7 @@ class KVEventsPublisher:
                 "next_seq": self._next_seq, "queued": self._queue.qsize(), "buffered": len(self._buffer),
                 "buffer_evicted": self._buffer.evicted, "pub_hwm": self.settings.pub_hwm,
                 "replay_clients": replays.clients if replays is not None else 0,
+                "snapshots": replays.snapshots.active if replays is not None and replays.snapshots else 0,
                 "replayed": replays.replayed if replays is not None else 0,
                 **self.counters, "bytes": self.held_bytes(), "events": dict(self.events)}
 

@@ -37,6 +37,7 @@ itself a function of the stream).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import struct
@@ -51,6 +52,8 @@ from .replay import FRAME_OVERHEAD, SNAPSHOT_SEQ, InFlight
 from .wire import END_SEQ, EventEncoder, medium_of, seq_bytes, topic_of
 
 __all__ = ["SNAPSHOT_SEQ", "SnapshotPager", "SnapshotServer", "holder_entries", "snapshot_pages"]
+
+log = logging.getLogger("blendmatch.service.publish")
 
 #: A record in the child's pipe: kind (``P`` page, ``E`` end, ``X`` error), topic and
 #: payload lengths.
@@ -279,6 +282,8 @@ class SnapshotServer:
                     need = FRAME_OVERHEAD
                     if kind == b"X":
                         self._count("failed")
+                        log.warning("kv-events: a snapshot writer failed (%s): answered with the empty end marker",
+                                    payload.decode(errors="replace"))
                     frame = zmq.Frame(seq_bytes(snap.pager.seq) if kind == b"E" else b"", copy=False, track=True)
                     parts = (ident, b"", b"", END_SEQ, frame)
                 if not fits(snap.sent, need):
