@@ -7,7 +7,8 @@ publisher attached; a DEALER asks for a snapshot and reads it whole (``snapshot_
 to end frame; ``snapshot_bytes``: payload bytes; ``pages``). Live latency: a thread applies
 a STORE of ``live_chunks`` new chunks every ``live_every_s`` and a SUB stamps each message's
 arrival; ``live_*_ms`` is apply-to-arrival, measured while no snapshot runs and while one
-runs, in the same run (ratios printed). Wall times on a shared machine: compare the ratio.
+runs, in the same run (ratios printed). ``fork_pause_s``: how long ingest waited for the
+snapshot's fork (the directory lock is held across it). Wall times on a shared machine: compare the ratio.
 """
 
 from __future__ import annotations
@@ -133,10 +134,12 @@ def run(num_chunks: int, *, live_chunks: int = 4, live_every_s: float = 0.01, en
         while t.is_alive():
             during += live.phase(1.0)
         t.join()
+        pause = pub.stats()["snapshot_pause_s"]
         quiet = _snapshot(ctx, pub.bound_replay_endpoint)  # the same, with no live load
         out = {"num_chunks": num_chunks, "encoding": encoding, "build_s": build_s, **snap,
                "snapshot_bytes_per_chunk": snap["snapshot_bytes"] / max(1, num_chunks),
-               "quiet_snapshot_s": quiet["snapshot_s"], "live_without": _stats(base), "live_during": _stats(during)}
+               "fork_pause_s": pause, "quiet_snapshot_s": quiet["snapshot_s"],
+               "quiet_fork_pause_s": pub.stats()["snapshot_pause_s"], "live_without": _stats(base), "live_during": _stats(during)}
         if base and during:
             out["live_p50_ratio"] = out["live_during"]["p50_ms"] / out["live_without"]["p50_ms"]
             out["live_p99_ratio"] = out["live_during"]["p99_ms"] / out["live_without"]["p99_ms"]

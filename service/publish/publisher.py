@@ -463,6 +463,7 @@ class KVEventsPublisher:
                 "buffer_evicted": self._buffer.evicted, "pub_hwm": self.settings.pub_hwm,
                 "replay_clients": replays.clients if replays is not None else 0,
                 "snapshots": replays.snapshots.active if replays is not None and replays.snapshots else 0,
+                "snapshot_pause_s": replays.snapshots.last_pause_s if replays is not None and replays.snapshots else 0.0,
                 "replayed": replays.replayed if replays is not None else 0,
                 **self.counters, "bytes": self.held_bytes(), "events": dict(self.events)}
 

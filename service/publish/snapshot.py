@@ -41,6 +41,7 @@ import logging
 import os
 import signal
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -171,6 +172,7 @@ class SnapshotPager:
         self.pid, self.rfd, self.seq = pid, rfd, seq
         self._buf = bytearray()
         self.done = False
+        self.pause_s = 0.0  # how long ingest waited for the fork
 
     def next_record(self) -> Optional[tuple[bytes, bytes, bytes]]:
         """``(kind, topic, payload)`` when a whole record arrived, else None (nothing yet)."""
@@ -229,6 +231,7 @@ class SnapshotServer:
         self._gone = InFlight()
         self.bytes = 0
         self.pages = 0
+        self.last_pause_s = 0.0  # ingest's wait for the last snapshot's fork
 
     @property
     def active(self) -> int:
@@ -250,6 +253,7 @@ class SnapshotServer:
             self._send_now(zmq, sock, ident, b"")
             return
         self._count("ok")
+        self.last_pause_s = pager.pause_s
         self._snaps[ident] = _Snap(ident, pager)
 
     @staticmethod
@@ -321,6 +325,7 @@ def fork_pager(directory: Any, encoder: EventEncoder, seq_now: Callable[[], int]
                page_blocks: int, page_bytes: int) -> SnapshotPager:
     """Fork a child that writes the holder set's pages, consistent at S = ``seq_now() - 1``
     (read under the directory's lock, as the fork); the pager carries N = S + 1."""
+    t0 = time.perf_counter()
     with directory.ingest_lock:
         seq = seq_now()  # N = S + 1: the first live seq the consumer applies after the pages
         ts = ts_now()
@@ -330,6 +335,9 @@ def fork_pager(directory: Any, encoder: EventEncoder, seq_now: Callable[[], int]
         if pid == 0:  # pragma: no cover - the child
             os.close(rfd)
             _child(directory, encoder, ts, wfd, page_blocks, page_bytes)
+    pause = time.perf_counter() - t0  # ingest waited this long (the lock, then the fork)
     os.close(wfd)
     os.set_blocking(rfd, False)
-    return SnapshotPager(pid, rfd, seq)
+    pager = SnapshotPager(pid, rfd, seq)
+    pager.pause_s = pause
+    return pager
