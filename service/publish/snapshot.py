@@ -25,8 +25,8 @@ pipe (64 KiB) plus the pages libzmq holds for the client (within ``client_bytes`
 **Memory at 1M chunks**: the parent, one page (``page_bytes``) + the pipe + the budget
 (about 18 MiB with the defaults, whatever the size of the state). The
 child: copy-on-write pages the parent rewrites meanwhile (ingest's writes during the
-snapshot), plus the sorted list of ``(topic, medium, hash)`` it builds (about 150 bytes an
-entry: ~150 MB at 1M chunks on one spot each) and one page's token rows at a time.
+snapshot), plus the sorted list of ``(topic, medium, hash, row)`` it builds (about 150 bytes
+an entry: ~150 MB at 1M chunks on one spot each) and one page's token rows at a time.
 
 **The same bytes on every replica at the same S**: the pages are a function of the holder
 set alone: topics sorted, within a topic mediums sorted, within a medium hashes sorted;
@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from blendmatch.index.holders import Spot
+from blendmatch.index.holders import HolderWatch, Spot
 
 from .replay import FRAME_OVERHEAD, SNAPSHOT_SEQ, InFlight
 from .wire import END_SEQ, EventEncoder, medium_of, seq_bytes, topic_of
@@ -61,31 +61,33 @@ log = logging.getLogger("blendmatch.service.publish")
 _REC = struct.Struct(">cII")
 
 
-def holder_entries(directory: Any) -> list[tuple[str, str, bytes]]:
-    """The holder set as sorted ``(topic, medium, chunk hash)``: every placement of every
-    key whose chunk has tokens (``index/holders.py``'s definition), through the directory's
-    public reads. Call with the directory's lock held or in a forked copy."""
-    keys = directory.list_keys(limit=None)
-    hashes = list(dict.fromkeys(kp.key.chunk_hash for kp in keys))
-    known: set[bytes] = set()
-    for k in range(0, len(hashes), 4096):  # a slice at a time: token copies are ~1 KB each
-        part = hashes[k:k + 4096]
-        known.update(h for h, t in zip(part, directory.get_token_ids(part)) if t is not None)
-    out: set[tuple[str, str, bytes]] = set()
-    for kp in keys:
-        h = kp.key.chunk_hash
-        if h not in known:
+def holder_entries(directory: Any) -> tuple[list[tuple[str, str, bytes, int]], list[Any]]:
+    """The holder set as sorted ``(topic, medium, chunk hash, k)`` and the token rows
+    (``rows[k]``): every spot of every binding whose chunk has tokens
+    (``index/holders.py``'s definition, through ``HolderWatch.spots_of``), read from
+    ``KeyDirectory.export_state``. Call with the directory's lock held or in a forked copy
+    (the rows are the directory's own: encode them before the next write)."""
+    state = directory.export_state()
+    spots_of = HolderWatch(lambda changes: None).spots_of
+    names: dict[Spot, tuple[str, str]] = {}
+    rows = state["tokens"]
+    out: list[tuple[str, str, bytes, int]] = []
+    for k, (h, members, tokens) in enumerate(zip(state["hashes"], state["members"], rows)):
+        if tokens is None:
             continue
-        for p in kp.placements:
-            spot = Spot(p.instance_id, kp.key.model_name, p.tier, p.backend, p.shared)
-            out.add((topic_of(spot), medium_of(spot), h))
-    return sorted(out)
+        for spot in spots_of(members):
+            name = names.get(spot)
+            if name is None:
+                name = names[spot] = (topic_of(spot), medium_of(spot))
+            out.append((name[0], name[1], h, k))
+    out.sort()
+    return out, rows
 
 
 def snapshot_pages(directory: Any, encoder: EventEncoder, ts: float, *, page_blocks: int,
                    page_bytes: int) -> Iterator[tuple[bytes, bytes]]:
     """``(topic, payload)`` pages of the holder set (see the module docstring for the order)."""
-    entries = holder_entries(directory)
+    entries, all_rows = holder_entries(directory)
     i, n = 0, len(entries)
     while i < n:
         topic, medium = entries[i][0], entries[i][1]
@@ -93,7 +95,7 @@ def snapshot_pages(directory: Any, encoder: EventEncoder, ts: float, *, page_blo
         while j < n and j - i < page_blocks and entries[j][0] == topic and entries[j][1] == medium:
             j += 1
         hashes = [e[2] for e in entries[i:j]]
-        rows = directory.get_token_ids(hashes)
+        rows = [all_rows[e[3]] for e in entries[i:j]]
         # cut by encoded size: a row costs at most 5 bytes a token + its hash + fixed fields
         per = [5 * len(r) + len(h) + 200 for h, r in zip(hashes, rows)]
         k, size = 0, 64
@@ -102,7 +104,8 @@ def snapshot_pages(directory: Any, encoder: EventEncoder, ts: float, *, page_blo
             k += 1
         hashes, rows = hashes[:k], rows[:k]
         same = all(len(r) == len(rows[0]) for r in rows)
-        tokens: Any = np.stack(rows) if same else rows
+        tokens: Any = np.stack(rows).astype(np.uint32, copy=False) if same else \
+            [np.asarray(r, dtype=np.uint32) for r in rows]
         count, blob = encoder.stored_concat(hashes, tokens, medium)
         yield topic.encode(), encoder.batch(ts, [blob], count=count)
         i += k
