@@ -26,7 +26,7 @@ pipe (64 KiB) plus the pages libzmq holds for the client (within ``client_bytes`
 (about 18 MiB with the defaults, whatever the size of the state). The
 child: copy-on-write pages the parent rewrites meanwhile (ingest's writes during the
 snapshot), plus the sorted list of ``(topic, medium, hash, row)`` it builds (about 150 bytes
-an entry: ~150 MB at 1M chunks on one spot each) and one page's token rows at a time.
+an entry, an estimate: ~150 MB at 1M chunks on one spot each) and one page's token rows at a time.
 
 **The same bytes on every replica at the same S**: the pages are a function of the holder
 set alone: topics sorted, within a topic mediums sorted, within a medium hashes sorted;
