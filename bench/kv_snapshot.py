@@ -139,7 +139,8 @@ def run(num_chunks: int, *, live_chunks: int = 4, live_every_s: float = 0.01, en
         out = {"num_chunks": num_chunks, "encoding": encoding, "build_s": build_s, **snap,
                "snapshot_bytes_per_chunk": snap["snapshot_bytes"] / max(1, num_chunks),
                "fork_pause_s": pause, "quiet_snapshot_s": quiet["snapshot_s"],
-               "quiet_fork_pause_s": pub.stats()["snapshot_pause_s"], "live_without": _stats(base), "live_during": _stats(during)}
+               "quiet_fork_pause_s": pub.stats()["snapshot_pause_s"], "live_without": _stats(base),
+               "live_during": _stats(during)}
         if base and during:
             out["live_p50_ratio"] = out["live_during"]["p50_ms"] / out["live_without"]["p50_ms"]
             out["live_p99_ratio"] = out["live_during"]["p99_ms"] / out["live_without"]["p99_ms"]

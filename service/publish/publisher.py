@@ -457,13 +457,14 @@ class KVEventsPublisher:
 
     def stats(self) -> dict[str, Any]:
         replays = self._replays
+        snaps = replays.snapshots if replays is not None else None
         return {"endpoint": self.bound_endpoint, "replay_endpoint": self.bound_replay_endpoint,
                 "encoding": self.settings.encoding, "int_hashes": self.settings.int_hashes,
                 "next_seq": self._next_seq, "queued": self._queue.qsize(), "buffered": len(self._buffer),
                 "buffer_evicted": self._buffer.evicted, "pub_hwm": self.settings.pub_hwm,
                 "replay_clients": replays.clients if replays is not None else 0,
-                "snapshots": replays.snapshots.active if replays is not None and replays.snapshots else 0,
-                "snapshot_pause_s": replays.snapshots.last_pause_s if replays is not None and replays.snapshots else 0.0,
+                "snapshots": snaps.active if snaps is not None else 0,
+                "snapshot_pause_s": snaps.last_pause_s if snaps is not None else 0.0,
                 "replayed": replays.replayed if replays is not None else 0,
                 **self.counters, "bytes": self.held_bytes(), "events": dict(self.events)}
 

@@ -226,7 +226,8 @@ class SnapshotServer:
     S (the publisher's, under the directory lock); ``count(outcome)`` counts requests
     (``ok``, ``refused``, ``failed``)."""
 
-    def __init__(self, start: Callable[[], Optional[SnapshotPager]], *, max_snapshots: int, count: Callable[[str], None]) -> None:
+    def __init__(self, start: Callable[[], Optional[SnapshotPager]], *, max_snapshots: int,
+                 count: Callable[[str], None]) -> None:
         self._start = start
         self.max_snapshots = max_snapshots
         self._count = count
