@@ -187,6 +187,45 @@ def _big_directory(pub: KVEventsPublisher, chunks: int) -> KeyDirectory:
     return d
 
 
+def test_the_snapshot_order_is_canonical_not_the_directorys():
+    """Two directories that hold the same set at the same seq, reached in another order
+    (their bindings sit in another dict order): the same snapshot bytes."""
+    rng = __import__("random").Random(56)
+
+    def batch(inst, hashes, tier="l1", shared=False, backend="cpu"):
+        return {"instance_id": inst, "incarnation": 0, "seq": 1, "event_type": "store", "tier": tier,
+                "backend": backend, "shared": shared, "ts": 1_700_000_000.0, "entries": [
+                    {"key": {"chunk_hash_hex": h.hex(), "model_name": "llama", "kv_rank": 1 << 24},
+                     "token_ids": [rng.randrange(60_000) for _ in range(CHUNK)], "token_offset": 0,
+                     "size_bytes": 1000} for h in hashes]}
+
+    hs = [bytes([k]) * 16 for k in range(40)]
+    x = batch("gpu-a", hs[:25])
+    y = batch("gpu-b", hs[15:][::-1])
+    y["entries"][-10:] = [dict(e, token_ids=next(f["token_ids"] for f in x["entries"]
+                                                 if f["key"]["chunk_hash_hex"] == e["key"]["chunk_hash_hex"]))
+                          for e in y["entries"][-10:]]  # the shared chunks keep their content
+    a, b = _publisher(snapshot_page_blocks=6), _publisher(snapshot_page_blocks=6)
+    da, db = _directory(a), _directory(b)
+    ctx = zmq.Context()
+    try:
+        da.apply({"batches": [x]})
+        da.apply({"batches": [y]})
+        db.apply({"batches": [y]})
+        db.apply({"batches": [x]})
+        assert a.wait_idle(WAIT_MS / 1000) and b.wait_idle(WAIT_MS / 1000)
+        assert a.next_seq == b.next_seq and expected_holders(da) == expected_holders(db)
+        assert [kp.key.chunk_hash for kp in da.list_keys(limit=None)] != \
+            [kp.key.chunk_hash for kp in db.list_keys(limit=None)]  # another order inside
+        pages_a, end_a = _raw_snapshot(ctx, a.bound_replay_endpoint)
+        pages_b, end_b = _raw_snapshot(ctx, b.bound_replay_endpoint)
+        assert len(pages_a) > 3 and pages_a == pages_b and end_a == end_b
+    finally:
+        a.stop()
+        b.stop()
+        ctx.destroy(linger=0)
+
+
 def test_snapshots_are_bounded_refused_past_the_bound_and_returned_when_clients_leave():
     """A client that never reads (a one-message receive queue, a 4 KB kernel buffer) holds
     at most its budget (+ one page) of a ~6 MB snapshot; one more snapshot than allowed is
