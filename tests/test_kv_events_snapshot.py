@@ -55,8 +55,8 @@ class Index:
                     del self.holders[key]
 
 
-def _publisher(encoding="map", int_hashes=False, **kw) -> KVEventsPublisher:
-    pub = KVEventsPublisher(KVEventsSettings(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
+def _publisher(encoding="map", int_hashes=False, endpoint="tcp://127.0.0.1:*", **kw) -> KVEventsPublisher:
+    pub = KVEventsPublisher(KVEventsSettings(endpoint=endpoint, replay_endpoint="tcp://127.0.0.1:*",
                                              encoding=encoding, int_hashes=int_hashes, **kw))
     pub.start()
     return pub
@@ -276,12 +276,13 @@ def _until(check, timeout: float = WAIT_MS / 1000) -> bool:
     return True
 
 
-def test_the_follower_reconnects_after_a_restart_and_rebootstraps_when_the_ring_lost_its_gap():
+def test_the_follower_reconnects_after_a_restart_and_rebootstraps_when_the_ring_lost_its_gap(tmp_path):
     """The publisher restarts on the same endpoints with its seq (a checkpoint's section);
     what it publishes before the follower's sockets reconnect is more than its 3-message
     ring: the follower sees the gap, the replay cannot fill it, it bootstraps again (on_reset
-    first) and ends with exactly the holder set."""
-    pub = _publisher(buffer_steps=3)
+    first) and ends with exactly the holder set. (The PUB endpoint is ipc: a tcp endpoint
+    without a wildcard connects, vLLM's rule, so it could not be bound again as it was.)"""
+    pub = _publisher(buffer_steps=3, endpoint=f"ipc://{tmp_path}/pub")
     d = _directory(pub)
     work = Workload(seed=55, chunk_size=CHUNK)
     ctx = zmq.Context()
@@ -313,6 +314,39 @@ def test_the_follower_reconnects_after_a_restart_and_rebootstraps_when_the_ring_
         assert pub.wait_idle(WAIT_MS / 1000)
         f.catch_up(index.apply, pub.next_seq, index.reset)
         assert index.holders == expected_holders(d)
+        f.close()
+    finally:
+        pub.stop()
+        ctx.destroy(linger=0)
+
+
+def test_the_follower_rebootstraps_when_the_publisher_restarts_empty(tmp_path):
+    """A publisher restarted without its checkpoint starts again at seq 0 (a new directory):
+    the follower sees only seqs below what it wants for ``stale_s``, then bootstraps again
+    and holds the new directory's holder set."""
+    pub = _publisher(endpoint=f"ipc://{tmp_path}/pub")
+    d = _directory(pub)
+    ctx = zmq.Context()
+    try:
+        Workload(seed=57, chunk_size=CHUNK).run(d, 150)
+        assert pub.wait_idle(WAIT_MS / 1000)
+        index = Index("map")
+        f = KVEventsFollower(pub.bound_endpoint, pub.bound_replay_endpoint, ctx=ctx, stale_s=0.3)
+        f.bootstrap(index.apply, index.reset)
+        endpoints = (pub.bound_endpoint, pub.bound_replay_endpoint)
+        pub.stop()
+        pub = KVEventsPublisher(KVEventsSettings(endpoint=endpoints[0], replay_endpoint=endpoints[1]))
+        pub.start()
+        d2 = _directory(pub)
+        work = Workload(seed=58, chunk_size=CHUNK)
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while f.bootstraps < 2 and time.monotonic() < deadline:
+            work.run(d2, 3)
+            f.poll(index.apply, index.reset, 50)
+        assert f.bootstraps == 2 and index.resets == 2
+        assert pub.wait_idle(WAIT_MS / 1000)
+        f.catch_up(index.apply, pub.next_seq, index.reset)
+        assert index.holders == expected_holders(d2)
         f.close()
     finally:
         pub.stop()

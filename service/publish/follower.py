@@ -20,7 +20,8 @@ the ``kv-events`` extra, and nothing else of blendmatch). It does not decode pay
    themselves); a publisher restarted from its checkpoint goes on with the seqs it had
    (re-published ones are dropped by 2.), one restarted empty starts again at seq 0, which a
    follower sees as seqs far below what it wants with no end: after ``stale_s`` seconds of
-   only such messages it re-bootstraps.
+   only such messages it re-bootstraps (a new stream that reaches the old position sooner
+   looks like the old one going on: restart publishers from their checkpoint).
 """
 
 from __future__ import annotations
