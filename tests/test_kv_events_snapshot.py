@@ -323,8 +323,11 @@ def test_the_follower_reconnects_after_a_restart_and_rebootstraps_when_the_ring_
 def test_the_follower_rebootstraps_when_the_publisher_restarts_empty(tmp_path):
     """A publisher restarted without its checkpoint starts again at seq 0 (a new directory):
     the follower sees only seqs below what it wants for ``stale_s``, then bootstraps again
-    and holds the new directory's holder set."""
-    pub = _publisher(endpoint=f"ipc://{tmp_path}/pub")
+    and holds the new directory's holder set. The first publisher has run a while (seq from
+    100,000: a checkpoint's section), so the new stream stays below its position."""
+    pub = KVEventsPublisher(KVEventsSettings(endpoint=f"ipc://{tmp_path}/pub", replay_endpoint="tcp://127.0.0.1:*"))
+    pub.restore({"version": 1, "next_seq": 100_000, "last_ts": 0.0, "counts": {}})
+    pub.start()
     d = _directory(pub)
     ctx = zmq.Context()
     try:
