@@ -338,6 +338,16 @@ class ServiceConfig(BaseModel):
     kv_events_max_replays: int = Field(
         default=8, ge=1, description="clients replaying at once; a request from one more is answered at once with "
         "the end-of-replay marker (counted as refused)", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_snapshot_page_blocks: int = Field(
+        default=1024, ge=1, description="blocks per snapshot page (a snapshot: the holder set at one seq, asked on "
+        "the replay socket; docs/kv-events.md#snapshots)", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_snapshot_page_bytes: int = Field(
+        default=1024 * 1024, ge=4096, description="encoded bytes per snapshot page (a single block larger goes "
+        "alone); snapshot clients share the replay byte budgets", json_schema_extra={"group": _KV_EVENTS})
+    kv_events_max_snapshots: int = Field(
+        default=2, ge=1, description="snapshots at once (each a forked writer); a request past it is answered "
+        "at once with the end marker and an empty payload (counted as refused)",
+        json_schema_extra={"group": _KV_EVENTS})
 
     @field_validator("hash_algorithm")
     @classmethod

@@ -239,7 +239,7 @@ class ServiceContext:
             from .publish.setup import build_publisher
 
             self.kv_events = build_publisher(config, registry=self.metrics.registry)
-            self.directory.set_holder_watch(self.kv_events.watch)
+            self.kv_events.attach_directory(self.directory)  # the holder watch, and snapshots
             self.durability.register_section("kv_events", self.kv_events.snapshot, self.kv_events.restore)
         #: Why the server must not go on (a required checkpoint missing, an incompatible
         #: one): set by the restore; the CLI exits non-zero through a listener

@@ -165,3 +165,73 @@ def test_replicas_publish_identical_streams_and_a_restart_continues_the_seq(kafk
         ctx.destroy(linger=0)
         for r in reps:
             r.stop()
+
+
+@pytest.mark.kafka
+def test_a_router_switches_replica_mid_snapshot_and_ends_exact(kafka_bootstrap, tmp_path):
+    """Two replicas at the same position send the same snapshot bytes: a router reads part
+    of a's snapshot, loses a, takes b's from the start (its first pages are a's, byte for
+    byte), then follows b live while more is ingested, and holds exactly the holder set."""
+    from test_kv_events_snapshot import Index, SNAPSHOT_SEQ
+    from blendmatch.service.publish.follower import KVEventsFollower
+
+    kv_events_file(RELEASES["map"])
+    topic = create_topic(kafka_bootstrap, partitions=1)
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    reps, eps = [], {}
+    for name in ("a", "b"):
+        pub, rep = free_port(), free_port()
+        eps[name] = {"pub": f"tcp://127.0.0.1:{pub}", "replay": f"tcp://127.0.0.1:{rep}"}
+        reps.append(Replica(kafka_bootstrap, topic, name, group, str(tmp_path / f"{name}.ckpt"),
+                            "--health-check-interval", "0", "--kv-events-endpoint", eps[name]["pub"],
+                            "--kv-events-replay-endpoint", eps[name]["replay"], "--kv-events-buffer-steps", "5",
+                            "--kv-events-snapshot-page-blocks", "3", chunk_size=C,
+                            log_path=tmp_path / f"{name}.log"))
+    ctx = zmq.Context()
+    try:
+        first, second = _batches(21, 200), _batches(22, 100)
+        for b in second:  # other instances' names: no seq bookkeeping across the halves
+            b["instance_id"] = "late-" + b["instance_id"]
+        producer = lmcache_producer(kafka_bootstrap)
+        positions: list = []
+        _produce(producer, topic, first, positions)
+        for r in reps:
+            r.wait_up()
+        want = end_offsets(positions)
+        for r in reps:
+            r.wait_position(want)
+
+        # part of a's snapshot, then a is gone (the router drops its socket)
+        req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(eps["a"]["replay"])
+        req.send_multipart([b"", SNAPSHOT_SEQ.to_bytes(8, "big")])
+        from_a = []
+        for _ in range(5):
+            assert req.poll(WAIT_MS)
+            from_a.append(req.recv_multipart())
+        assert all(f[2] != (-1).to_bytes(8, "big", signed=True) for f in from_a)  # mid-snapshot
+        req.close(0)
+        reps[0].stop()
+
+        index = Index("map")
+        f = KVEventsFollower(eps["b"]["pub"], eps["b"]["replay"], ctx=ctx)
+        seen = []
+        n = f.bootstrap(lambda t, s, p: (seen.append([b"", t, s.to_bytes(8, "big"), p]), index.apply(t, s, p)),
+                        index.reset)
+        assert seen[:5] == from_a  # the same bytes on both replicas at the same position
+        _produce(producer, topic, second, positions)
+        reps[1].wait_position(end_offsets(positions))
+        total = reps[1].client.get("/directory/stats").json()["blendmatch"]["kv_events"]["next_seq"]
+        assert total > n
+        f.catch_up(index.apply, total, index.reset)
+        ref = KeyDirectory()
+        ref.enable_blend_lookup(chunk_size=C, engine="reference")
+        for b in first + second:
+            ref.apply({"batches": [b]})
+        assert index.holders == expected_holders(ref)
+        f.close()
+    finally:
+        ctx.destroy(linger=0)
+        for r in reps:
+            r.stop()

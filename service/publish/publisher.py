@@ -51,6 +51,7 @@ from typing import Any, Optional
 from blendmatch.index.holders import HolderChanges, HolderWatch
 
 from .replay import InFlight, ReplayRing, ReplayServer
+from .snapshot import SnapshotPager, SnapshotServer, fork_pager
 from .wire import EventEncoder, medium_of, seq_bytes, topic_of
 
 __all__ = ["KVEventsSettings", "KVEventsPublisher", "EndpointNotAllowed", "is_bind_endpoint", "is_local_endpoint",
@@ -64,7 +65,7 @@ MESSAGE_OVERHEAD = 64
 #: fields: ``BlockStored`` writes about 130), bounded.
 EVENT_OVERHEAD = 160
 #: The ``buffer`` label values of ``blendmatch_kv_events_bytes``.
-BUFFERS = ("queue", "replay_buffer", "subscribers", "replay_clients")
+BUFFERS = ("queue", "replay_buffer", "subscribers", "replay_clients", "snapshot_clients")
 #: The ROUTER's high-water mark per client, in messages: the byte budgets bind first; this
 #: bounds what a refused client (answered at once, never tracked) can queue.
 REPLAY_HWM = 1000
@@ -104,6 +105,10 @@ class KVEventsSettings:
     replay_client_bytes: int = 16 << 20
     replay_bytes: int = 64 << 20
     max_replays: int = 8
+    #: snapshots (``snapshot.py``): a page's bounds, and how many at once
+    snapshot_page_blocks: int = 1024
+    snapshot_page_bytes: int = 1 << 20
+    max_snapshots: int = 2
 
     @property
     def pub_hwm(self) -> int:
@@ -151,7 +156,9 @@ class KVEventsPublisher:
         if settings.buffer_steps < 1 or settings.hwm < 0 or settings.max_queue < 1:
             raise ValueError("kv-events buffer steps and queue size must be >= 1, hwm >= 0")
         sizes = {name: getattr(settings, name) for name in ("buffer_bytes", "max_queue_bytes", "subscriber_bytes",
-                                                            "replay_client_bytes", "replay_bytes", "max_replays")}
+                                                            "replay_client_bytes", "replay_bytes", "max_replays",
+                                                            "snapshot_page_blocks", "snapshot_page_bytes",
+                                                            "max_snapshots")}
         if min(sizes.values()) < 1 or settings.max_message_bytes < 4096:
             raise ValueError(f"kv-events byte bounds and max_replays must be >= 1 and max_message_bytes >= 4096, "
                              f"got {sizes}, max_message_bytes {settings.max_message_bytes}")
@@ -166,6 +173,7 @@ class KVEventsPublisher:
         self._buffer = ReplayRing(settings.buffer_steps, settings.buffer_bytes)
         self._live = InFlight()  # payloads the PUB socket still holds for some subscriber
         self._replays: Optional[ReplayServer] = None
+        self._directory: Any = None  # snapshots read it (attach_directory)
         self._thread: Optional[threading.Thread] = None
         self._running = False
         self._ctx: Any = None
@@ -175,7 +183,8 @@ class KVEventsPublisher:
         self.bound_endpoint: Optional[str] = None
         self.bound_replay_endpoint: Optional[str] = None
         self.counters = {"batches": 0, "dropped": 0, "tokenless": 0, "send_errors": 0, "replay_requests": 0,
-                         "replay_bad_requests": 0, "replay_refused": 0}
+                         "replay_bad_requests": 0, "replay_refused": 0, "snapshot_requests": 0,
+                         "snapshot_refused": 0, "snapshot_failed": 0}
         self.events = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
         self._metrics = _Metrics(registry, self) if registry is not None else None
 
@@ -258,6 +267,26 @@ class KVEventsPublisher:
     def next_seq(self) -> int:
         return self._next_seq
 
+    def attach_directory(self, directory: Any) -> None:
+        """Set the holder watch on ``directory`` and let snapshots read it (``snapshot.py``)."""
+        self._directory = directory
+        directory.set_holder_watch(self.watch)
+
+    def _fork_snapshot(self) -> Optional[SnapshotPager]:
+        d = self._directory
+        if d is None:
+            return None
+        s = self.settings
+        return fork_pager(d, self.encoder, lambda: self._next_seq, lambda: self.watch.last_ts,
+                          page_blocks=s.snapshot_page_blocks, page_bytes=s.snapshot_page_bytes)
+
+    def _count_snapshot(self, outcome: str) -> None:
+        self.counters["snapshot_requests"] += 1
+        if outcome != "ok":
+            self.counters[f"snapshot_{outcome}"] += 1
+        if self._metrics:
+            self._metrics.snapshots.labels(outcome).inc()
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Create the sockets (errors raise here, before anything is served) and the thread."""
@@ -289,6 +318,8 @@ class KVEventsPublisher:
                 self._replays = ReplayServer(rep, self._buffer, legacy=s.legacy_replay,
                                              client_bytes=s.replay_client_bytes, total_bytes=s.replay_bytes,
                                              max_clients=s.max_replays, count=self._count_replay)
+                self._replays.snapshots = SnapshotServer(self._fork_snapshot, max_snapshots=s.max_snapshots,
+                                                         count=self._count_snapshot)
         except Exception:
             self._close()
             raise
@@ -332,6 +363,8 @@ class KVEventsPublisher:
         self._close()
 
     def _close(self) -> None:
+        if self._replays is not None and self._replays.snapshots is not None:
+            self._replays.snapshots.close()
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
@@ -361,8 +394,9 @@ class KVEventsPublisher:
                 # commands, which it does only when called: ask it for its events
                 self._pub.getsockopt(zmq.EVENTS)
                 self._live.reap()
-            try:
-                item = get(block=not busy, timeout=0.02)
+            snaps = self._replays.snapshots if self._replays is not None else None
+            try:  # a snapshot under way waits on its writer's pipe: look again soon
+                item = get(block=not busy, timeout=0.001 if snaps is not None and snaps.active else 0.02)
             except queue.Empty:
                 continue
             try:
@@ -427,15 +461,19 @@ class KVEventsPublisher:
         PUB subscribers and replay clients (shared between subscribers: counted once)."""
         replays = self._replays
         return {"queue": self._queued_bytes, "replay_buffer": self._buffer.bytes, "subscribers": self._live.bytes,
-                "replay_clients": replays.bytes if replays is not None else 0}
+                "replay_clients": replays.bytes if replays is not None else 0,
+                "snapshot_clients": replays.snapshots.bytes if replays is not None and replays.snapshots else 0}
 
     def stats(self) -> dict[str, Any]:
         replays = self._replays
+        snaps = replays.snapshots if replays is not None else None
         return {"endpoint": self.bound_endpoint, "replay_endpoint": self.bound_replay_endpoint,
                 "encoding": self.settings.encoding, "int_hashes": self.settings.int_hashes,
                 "next_seq": self._next_seq, "queued": self._queue.qsize(), "buffered": len(self._buffer),
                 "buffer_evicted": self._buffer.evicted, "pub_hwm": self.settings.pub_hwm,
                 "replay_clients": replays.clients if replays is not None else 0,
+                "snapshots": snaps.active if snaps is not None else 0,
+                "snapshot_pause_s": snaps.last_pause_s if snaps is not None else 0.0,
                 "replayed": replays.replayed if replays is not None else 0,
                 **self.counters, "bytes": self.held_bytes(), "events": dict(self.events)}
 
@@ -472,6 +510,11 @@ class _Metrics:
             held.labels(name).set_function(lambda name=name: pub.held_bytes()[name])
         Gauge("blendmatch_kv_events_replay_clients", "clients with a replay under way or not yet taken",
               registry=r).set_function(lambda: pub._replays.clients if pub._replays is not None else 0)
+        self.snapshots = Counter("blendmatch_kv_events_snapshot_requests", "snapshot requests, by outcome (ok, "
+                                 "refused: over --kv-events-max-snapshots, answered with the end marker alone; "
+                                 "failed: the snapshot writer failed)", ["outcome"], registry=r)
+        Gauge("blendmatch_kv_events_snapshot_clients", "snapshots under way", registry=r).set_function(
+            lambda: pub._replays.snapshots.active if pub._replays is not None and pub._replays.snapshots else 0)
         self.seq = Gauge("blendmatch_kv_events_last_seq", "seq of the last message published", registry=r)
 
     def observe(self, specs: list[tuple], seq: int) -> None:

@@ -47,6 +47,9 @@ from typing import Any, Callable, Iterator, Optional
 from ..ratelog import RateLimitedLog
 from .wire import END_SEQ, seq_bytes
 
+#: A replay request with this start seq asks for a snapshot (``snapshot.py``): ``2**64 - 2``.
+SNAPSHOT_SEQ = (1 << 64) - 2
+
 __all__ = ["InFlight", "ReplayRing", "ReplayServer", "FRAME_OVERHEAD", "LOG_INTERVAL_S", "MAX_PENDING",
            "SLICE_BYTES"]
 
@@ -178,6 +181,9 @@ class ReplayServer:
         self.replayed = 0
         self.send_errors = 0
         self._log = RateLimitedLog(log, LOG_INTERVAL_S)
+        #: answers :data:`~.snapshot.SNAPSHOT_SEQ` requests (``snapshot.py``); None: they
+        #: are ordinary requests (nothing is that new: the end marker alone)
+        self.snapshots: Any = None
 
     @property
     def clients(self) -> int:
@@ -195,6 +201,8 @@ class ReplayServer:
             freed += client.sent.reap()
         self.bytes -= freed
         budget = SLICE_BYTES
+        if self.snapshots is not None:
+            budget = self.snapshots.serve(zmq, self.sock, self._fits_snapshot, budget)
         for ident in list(self._clients):
             client = self._clients[ident]
             budget = self._advance(zmq, client, budget)
@@ -222,6 +230,9 @@ class ReplayServer:
                                len(frames[2]))
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
+            if start == SNAPSHOT_SEQ and self.snapshots is not None:
+                self.snapshots.request(zmq, sock, ident)
+                continue
             client = self._clients.get(ident)
             if client is None:
                 if len(self._clients) >= self.max_clients:
@@ -252,10 +263,19 @@ class ReplayServer:
         return (ident, b"", END_SEQ, b"") if self.legacy else (ident, b"", b"", END_SEQ, b"")
 
     # ------------------------------------------------------------------ sending
+    def _fits_snapshot(self, sent: InFlight, need: int) -> bool:
+        """The replay budgets for a snapshot client (its own ``client_bytes``; the total
+        counts replays and snapshots together)."""
+        total = self.bytes + self.snapshots.bytes
+        if sent.bytes and sent.bytes + need > self.client_bytes:
+            return False
+        return not total or total + need <= self.total_bytes
+
     def _fits(self, client: _Client, need: int) -> bool:
         if client.sent.bytes and client.sent.bytes + need > self.client_bytes:
             return False
-        return not self.bytes or self.bytes + need <= self.total_bytes
+        total = self.bytes + (self.snapshots.bytes if self.snapshots is not None else 0)
+        return not total or total + need <= self.total_bytes
 
     def _advance(self, zmq: Any, client: _Client, budget: int) -> int:
         """Send ``client`` what its budgets allow, at most ``budget`` bytes; what is left."""

@@ -33,7 +33,8 @@ def settings_from_config(config: Any) -> KVEventsSettings:
         buffer_bytes=config.kv_events_buffer_bytes, max_queue_bytes=config.kv_events_max_queue_bytes,
         max_message_bytes=config.kv_events_max_message_bytes, subscriber_bytes=config.kv_events_subscriber_bytes,
         replay_client_bytes=config.kv_events_replay_client_bytes, replay_bytes=config.kv_events_replay_bytes,
-        max_replays=config.kv_events_max_replays)
+        max_replays=config.kv_events_max_replays, snapshot_page_blocks=config.kv_events_snapshot_page_blocks,
+        snapshot_page_bytes=config.kv_events_snapshot_page_bytes, max_snapshots=config.kv_events_max_snapshots)
 
 
 def build_publisher(config: Any, registry: Any = None) -> KVEventsPublisher:
