@@ -1,8 +1,8 @@
 """KV-events replay flood: live publish latency and memory while replay clients never read.
 
 Question answered: "what does a replay flood cost the live stream and the process?"
-(issue 47: twenty DEALERs asking for the whole ring and never reading took a server from
-253 MB to 9 GB and live latency from 4 ms to 2.9 s.)
+(Before the byte budgets, twenty DEALERs asking for the whole ring and never reading took
+a server from 253 MB to 9 GB and live latency from 4 ms to 2.9 s: docs/kv-events.md.)
 
 What is measured, in one process: a publisher (``service/publish``) whose ring is filled
 with ``--messages`` messages of ``--chunks`` 256-token chunks (~1 KB each on the wire,

@@ -116,7 +116,7 @@ class ServiceConfig(BaseModel):
                                 json_schema_extra={"lmcache": "--hash-algorithm"})
     engine: EngineName = Field(default="auto", description="probe engine: auto = the GPU if a trial launch "
                                                            "succeeds, else the CPU")
-    # at most 2^31 - 1: the GPU engine's scans (CuPy) take lengths as a C int (issue 27)
+    # at most 2^31 - 1: the GPU engine's scans (CuPy) take lengths as a C int (docs/performance.md, "Memory, passes and failover")
     max_batch_tokens: int = Field(default=1 << 18, ge=1, le=2**31 - 1, description="token budget of one engine batch; one "
                                                                      "request's size disables batching")
     max_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=10_000.0,
@@ -287,7 +287,7 @@ class ServiceConfig(BaseModel):
         "this a missing topic is never created: /readyz answers 503 naming it, and appends 503, until it appears",
         json_schema_extra={"group": _FLEET})
 
-    # issue 25: the admitted stream republished as vLLM KV events (service/publish/,
+    # the admitted stream republished as vLLM KV events (service/publish/,
     # docs/kv-events.md); vLLM's KVEventsConfig names and defaults
     kv_events_endpoint: str = Field(
         default="", description="ZMQ PUB endpoint for vLLM KV events (binds a wildcard or IPv6-any address, ipc:// "
