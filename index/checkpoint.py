@@ -52,6 +52,7 @@ from .types import BlendNamespace
 from .wire import KeyScope
 
 __all__ = ["CaptureResult", "IncompatibleCheckpoint", "RestoreResult", "capture", "directory_sections",
+           "enter_forked_child",
            "inspect_checkpoint", "restore_directory"]
 
 #: Sections this module writes itself; any other section is an extra document.
@@ -186,19 +187,28 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def enter_forked_child(parent: int) -> None:
+    """What a child forked to write a frozen copy of the directory does first (a checkpoint
+    here, a KV-events snapshot in the service): the service's SIGTERM/SIGINT handlers go
+    back to the default, it dies with ``parent`` (``PR_SET_PDEATHSIG``; it leaves at once if
+    the parent is already gone), and the cyclic GC is off (nothing to collect in a
+    short-lived copy, and a collection would touch, hence copy, every page)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+    _set_parent_death_signal()
+    gc.disable()
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
 def _child_write(path: str, directory: KeyDirectory, docs: Mapping[str, Any], wfd: int, parent: int,
                  progress: Optional[Callable[[int], None]]) -> None:
     code = 1
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
-        _set_parent_death_signal()
-        gc.disable()  # short-lived: nothing to collect, and a collection would touch (copy) every page
-        if os.getppid() != parent:  # the parent died before the death signal was armed
-            os._exit(1)
+        enter_forked_child(parent)
         sections, info = directory_sections(directory, docs)
         stats = write_checkpoint(path, sections, info=info, progress=progress)
         os.write(wfd, json.dumps({"bytes": stats.bytes, "info": info}).encode())

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from blendmatch.index.checkpoint import enter_forked_child
 from blendmatch.index.holders import HolderWatch, Spot
 
 from .replay import FRAME_OVERHEAD, SNAPSHOT_SEQ, InFlight
@@ -111,21 +112,15 @@ def snapshot_pages(directory: Any, encoder: EventEncoder, ts: float, *, page_blo
         i += k
 
 
-def _child(directory: Any, encoder: EventEncoder, ts: float, wfd: int, page_blocks: int, page_bytes: int) -> None:
+def _child(directory: Any, encoder: EventEncoder, ts: float, wfd: int, page_blocks: int, page_bytes: int,
+           parent: int) -> None:
     code = 1
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (ValueError, OSError):
-                pass
+        enter_forked_child(parent)  # the checkpoint writer's start: signals, dies with the parent, no GC
         # every other descriptor goes: the parent's sockets (a client's TCP connection, the
         # listening ports) must close when the parent closes them, not when this child exits
         os.closerange(3, wfd)
         os.closerange(wfd + 1, _max_fd())
-        import gc
-
-        gc.disable()
         for topic, payload in snapshot_pages(directory, encoder, ts, page_blocks=page_blocks, page_bytes=page_bytes):
             _write_all(wfd, _REC.pack(b"P", len(topic), len(payload)) + topic + payload)
         _write_all(wfd, _REC.pack(b"E", 0, 0))
@@ -335,10 +330,11 @@ def fork_pager(directory: Any, encoder: EventEncoder, seq_now: Callable[[], int]
         ts = ts_now()
         rfd, wfd = os.pipe()
         _widen(wfd, page_bytes)
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             os.close(rfd)
-            _child(directory, encoder, ts, wfd, page_blocks, page_bytes)
+            _child(directory, encoder, ts, wfd, page_blocks, page_bytes, parent)
     pause = time.perf_counter() - t0  # ingest waited this long (the lock, then the fork)
     os.close(wfd)
     os.set_blocking(rfd, False)
