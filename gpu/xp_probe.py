@@ -47,7 +47,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 
@@ -529,19 +529,26 @@ class MirroredEngine:
                 raise EngineFailure(f"the {self.name} engine is closed")
             if plan.windows == 0:
                 return Candidates.empty(0)
-            t0 = time.perf_counter()
-            try:
-                rows, timings = self._run_adaptive(batch, plan, slots)
-            except Exception as exc:  # noqa: BLE001 - every run-time error becomes EngineFailure
-                self.failures += 1
-                self._after_failure()
-                if isinstance(exc, EngineError):
-                    raise
-                raise EngineFailure(f"the {self.name} engine failed at run time: "
-                                    f"{type(exc).__name__}: {exc}") from exc
-            self.batches += 1
-            timings["total_s"] = time.perf_counter() - t0
-            return rows_to_candidates(rows, plan.windows, timings)
+            return self._run_sync(batch, plan, slots, time.perf_counter())
+
+    def _run_sync(self, batch: QueryBatch, plan: WindowPlan, slots: SlotSource, t0: float) -> Candidates:
+        """One batch, synchronously, with :meth:`_run_adaptive`'s retries (lock held); every
+        run-time error becomes :class:`EngineFailure` (:meth:`_failed`)."""
+        try:
+            rows, timings = self._run_adaptive(batch, plan, slots)
+        except Exception as exc:  # noqa: BLE001 - every run-time error becomes EngineFailure
+            self._failed(exc)
+        self.batches += 1
+        timings["total_s"] = time.perf_counter() - t0
+        return rows_to_candidates(rows, plan.windows, timings)
+
+    def _failed(self, exc: BaseException) -> NoReturn:
+        """Count a run-time failure, let the subclass clean up, raise it as an engine error."""
+        self.failures += 1
+        self._after_failure()
+        if isinstance(exc, EngineError):
+            raise exc
+        raise EngineFailure(f"the {self.name} engine failed at run time: {type(exc).__name__}: {exc}") from exc
 
     #: Whether :meth:`probe_async` overlaps batches on a device (``CupyEngine``'s fused
     #: kernels); here a handle is answered at submit.
@@ -606,28 +613,12 @@ class MirroredEngine:
         """A pipelined batch that failed (lock held): memory pressure -> the batch again,
         synchronously, with :meth:`probe`'s retries; anything else -> :class:`EngineFailure`."""
         if self._closed or isinstance(exc, EngineError) or not self._is_out_of_memory(exc):
-            self.failures += 1
-            self._after_failure()
-            if isinstance(exc, EngineError):
-                raise exc
-            raise EngineFailure(f"the {self.name} engine failed at run time: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            self._failed(exc)
         # memory pressure: the failed attempt's device arrays must not stay alive through the
         # retries (its traceback holds the frames that allocated them)
         exc.__traceback__ = None
         self._abandon()
-        try:
-            rows, timings = self._run_adaptive(batch, plan, slots)
-        except Exception as exc2:  # noqa: BLE001 - every run-time error becomes EngineFailure
-            self.failures += 1
-            self._after_failure()
-            if isinstance(exc2, EngineError):
-                raise
-            raise EngineFailure(f"the {self.name} engine failed at run time: "
-                                f"{type(exc2).__name__}: {exc2}") from exc2
-        self.batches += 1
-        timings["total_s"] = time.perf_counter() - t0
-        return rows_to_candidates(rows, plan.windows, timings)
+        return self._run_sync(batch, plan, slots, t0)
 
     def lend_tokens(self, num_queries: int, num_tokens: int) -> np.ndarray | None:
         """Pinned memory to decode a batch's tokens into (``CupyEngine``); None here."""

@@ -1,4 +1,4 @@
-"""The lookup answer's JSON (``context.encode_matches``) against ``json.dumps`` of the same
+"""The lookup answer's JSON (``answers.encode_matches``) against ``json.dumps`` of the same
 matches: every count (with and without a kept template), hash widths, numpy integers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blendmatch.index.types import BlendMatch
-from blendmatch.service.context import _TEMPLATES_KEPT, encode_matches
+from blendmatch.service.answers import _TEMPLATES_KEPT, encode_matches
 
 
 def _expected(matches: list[BlendMatch]) -> bytes:
