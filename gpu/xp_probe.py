@@ -37,6 +37,12 @@ class (:class:`MirroredEngine`: input checks, lock, error wrapping, timings) and
 the ``"xp-numpy"`` engine of the conformance suite and the benchmark).
 
 Import rule: numpy and ``blendmatch.index.fingerprint`` only; nothing here imports CuPy.
+
+Why one module of about 800 lines: CI proves the GPU engine by running *these* lines on
+numpy, so the planning, the array kernels, the slot mirror and :class:`XpEngine`'s adaptive
+passes and failure rules (which ``CupyEngine`` inherits) must stay the very code the device
+runs. The next split along that seam is the adaptive-pass driver (``_run_adaptive`` and the
+memory-pressure retries) into a module of its own.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from .errors import Forbidden, TooManyInstances
 from .schemas import CacheEventsResponse
 from .sources.control import apply_control
 from .sources.instance_bound import apply_within_bound, check_instance_bound
+from .sources.records import event_records
 
 if TYPE_CHECKING:
     from .context import ServiceContext
@@ -232,7 +233,7 @@ class KafkaLogSource:
             payload = from_json(raw)
         except ValueError as exc:
             raise _json_invalid(exc) from None
-        records = self.log.event_records(payload)
+        records = event_records(payload)
         _check_producer((batch["instance_id"] for batch in payload["batches"]), may_act_for, "appended")
         check_instance_bound(self._ctx.directory, (str(b["instance_id"]) for b in payload["batches"]),
                              self._ctx.config.max_instances, "appended")

@@ -64,7 +64,6 @@ from prometheus_client import Counter, Gauge
 from blendmatch.index.key_directory import KeyDirectory
 from blendmatch.index.logsafe import log_safe
 from blendmatch.index.registry import InstanceRegistry
-from blendmatch.index.wire import parse_event_request
 
 from ..errors import LimitExceeded, ServiceUnavailable, TooManyInstances
 from .client_log import ClientLog, drain
@@ -76,7 +75,7 @@ from .reaper import ReaperMembership
 from .control import apply_control
 from .instance_bound import RunTally, apply_within_bound
 from .records import (CONTROL_HEADER, CONTROL_HEADER_VALUE, ControlRecordError, control_value, decode_control,
-                      decode_run, lmcache_record_value, split_run)
+                      decode_run, split_run)
 
 __all__ = ["KafkaSource", "SECTION"]
 
@@ -634,15 +633,8 @@ class KafkaSource:
         self.m_published.labels(kind).inc(len(positions))
         return positions
 
-    @staticmethod
-    def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
-        """Validate a ``POST /events`` body whole (raises EventValidationError -> 422, nothing
-        appended) and encode one LMCache record per batch. CPU work: call off the loop."""
-        parse_event_request(payload)
-        return [(str(b["instance_id"]).encode(), lmcache_record_value(b), None) for b in payload["batches"]]
-
     async def publish_events(self, records: list[tuple[bytes, bytes, None]]) -> dict[str, Any]:
-        """``POST /events`` in Kafka mode: append the records of :meth:`event_records`,
+        """``POST /events`` in Kafka mode: append the records of ``records.event_records``,
         answer after the broker acknowledged all of them."""
         positions = await self.append(records, "events")
         return {"published": len(positions), "topic": self.topic,

@@ -35,9 +35,9 @@ from typing import Any, Mapping, Optional
 
 from blendmatch.index.tokens import decode_b64
 from blendmatch.index.types import UNKNOWN_TOKEN_OFFSET
-from blendmatch.index.wire import EventValidationError, parse_event_body, split_event_body
+from blendmatch.index.wire import EventValidationError, parse_event_body, parse_event_request, split_event_body
 
-__all__ = ["CONTROL_HEADER", "CONTROL_HEADER_VALUE", "CONTROL_OPS", "ControlRecordError", "control_value",
+__all__ = ["CONTROL_HEADER", "CONTROL_HEADER_VALUE", "CONTROL_OPS", "ControlRecordError", "control_value", "event_records",
            "decode_control", "decode_run", "is_control", "lmcache_record_value", "split_run"]
 
 CONTROL_HEADER = "blendmatch"
@@ -150,3 +150,11 @@ def decode_run(split: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
         except ValueError as exc:  # not JSON
             out.append((m, "skip", ("undecodable", str(exc))))
     return out
+
+
+def event_records(payload: Any) -> list[tuple[bytes, bytes, None]]:
+    """A ``POST /events`` body as the records the Kafka source appends: validated whole
+    (raises ``EventValidationError`` -> 422, nothing appended), one LMCache record per batch
+    keyed by its instance id. CPU work: call it off the event loop."""
+    parse_event_request(payload)
+    return [(str(b["instance_id"]).encode(), lmcache_record_value(b), None) for b in payload["batches"]]
